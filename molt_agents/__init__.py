@@ -1,0 +1,6 @@
+"""molt_agents: the rollout side of Molt.
+
+Engines (vLLM, transformers fallback) that generate from token ids, the
+loopback server that captures what any OpenAI-client agent samples, the env
+runner, `ChatAgent`, and the tiny offline models the tests and default run use.
+"""

@@ -1,0 +1,195 @@
+"""Build tiny Qwen3 (dense) and Qwen3-MoE checkpoints offline, deterministically.
+
+Every test and the default run use these models. They are Hugging Face
+checkpoints that both transformers and vLLM load, within the limits measured
+on the CPU stack: head_dim >= 32 (vLLM's CPU attention rejects 16), untied
+embeddings (vLLM's in-place weight reload leaves a tied lm_head stale), fp32,
+and a vocabulary that is a multiple of 64.
+
+`tiny_model(kind)` builds once into a user cache directory and returns the
+path; the cache key is a hash of the build parameters, so changing a size
+builds a new model instead of reusing a stale one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from molt_agents.tiny.tokenizer import build_tokenizer
+
+# Bump when the builder's output changes for the same parameters.
+BUILDER_VERSION = 1
+
+KINDS = ("dense", "moe")
+
+DEFAULTS = {
+    "vocab_size": 1024,
+    "hidden_size": 64,
+    "num_layers": 2,
+    "num_heads": 2,
+    "num_kv_heads": 1,
+    "head_dim": 32,
+    "intermediate_size": 128,
+    "num_experts": 4,
+    "top_k": 2,
+    "moe_intermediate_size": 64,
+    "max_position_embeddings": 4096,
+    "seed": 0,
+}
+
+
+def _config(kind: str, p: dict, tokenizer):
+    common = dict(
+        vocab_size=p["vocab_size"],
+        hidden_size=p["hidden_size"],
+        num_hidden_layers=p["num_layers"],
+        num_attention_heads=p["num_heads"],
+        num_key_value_heads=p["num_kv_heads"],
+        head_dim=p["head_dim"],
+        max_position_embeddings=p["max_position_embeddings"],
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        torch_dtype="float32",
+        bos_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if kind == "dense":
+        from transformers import Qwen3Config
+
+        return Qwen3Config(intermediate_size=p["intermediate_size"], **common)
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        intermediate_size=p["intermediate_size"],
+        moe_intermediate_size=p["moe_intermediate_size"],
+        num_experts=p["num_experts"],
+        num_experts_per_tok=p["top_k"],
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        **common,
+    )
+
+
+def _check(kind: str, p: dict) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"unknown tiny model kind {kind!r}; choose one of {', '.join(KINDS)}")
+    if p["head_dim"] < 32:
+        raise ValueError(f"head_dim={p['head_dim']} is too small: vLLM's CPU attention needs head_dim >= 32")
+    if p["vocab_size"] % 64:
+        raise ValueError(f"vocab_size={p['vocab_size']} must be a multiple of 64")
+    if p["num_heads"] % p["num_kv_heads"]:
+        raise ValueError(f"num_heads={p['num_heads']} must be a multiple of num_kv_heads={p['num_kv_heads']}")
+    unknown = set(p) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown tiny model parameters: {sorted(unknown)}")
+
+
+def build_tiny(kind: str, out: str | Path, **sizes) -> Path:
+    """Build a tiny `kind` model (tokenizer, config, fp32 safetensors) into `out`."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    p = {**DEFAULTS, **sizes}
+    _check(kind, p)
+    out = Path(out)
+    tokenizer = build_tokenizer(out, vocab_size=p["vocab_size"], seed=p["seed"])
+    config = _config(kind, p, tokenizer)
+    torch.manual_seed(p["seed"])
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    model.save_pretrained(out)
+    return out
+
+
+# --------------------------------------------------------------------------
+# Cache
+
+
+def cache_dir() -> Path:
+    """`$MOLT_CACHE_DIR`, else `$XDG_CACHE_HOME/molt`, else `~/.cache/molt`."""
+    if os.environ.get("MOLT_CACHE_DIR"):
+        return Path(os.environ["MOLT_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "molt"
+
+
+def _cache_key(kind: str, p: dict) -> str:
+    import tokenizers
+    import transformers
+
+    blob = json.dumps(
+        [BUILDER_VERSION, kind, p, transformers.__version__, tokenizers.__version__], sort_keys=True
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def tiny_model(kind: str = "dense", **sizes) -> Path:
+    """Path of the cached tiny `kind` model, built on first use.
+
+    Safe to call from several processes at once: one builds under a file
+    lock into a temporary directory that is renamed into place.
+    """
+    p = {**DEFAULTS, **sizes}
+    _check(kind, p)
+    root = cache_dir() / "tiny"
+    target = root / f"{kind}-{_cache_key(kind, p)}"
+    if (target / "config.json").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock, _locked(lock):
+        if not (target / "config.json").exists():
+            tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{kind}-"))
+            try:
+                build_tiny(kind, tmp, **sizes)
+                tmp.rename(target)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+@contextlib.contextmanager
+def _locked(handle):
+    fcntl.flock(handle, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+# --------------------------------------------------------------------------
+# CLI: molt-tiny
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="molt-tiny",
+        description="Build a tiny offline model (tokenizer + Hugging Face checkpoint).",
+    )
+    parser.add_argument("--kind", choices=KINDS, default="dense", help="model family")
+    parser.add_argument(
+        "--out", type=Path, default=None,
+        help="output directory (default: build into the user cache and print its path)",
+    )
+    for name, value in DEFAULTS.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value, help=f"(default: {value})")
+    args = vars(parser.parse_args(argv))
+    kind, out = args.pop("kind"), args.pop("out")
+    sizes = {k: v for k, v in args.items() if v != DEFAULTS[k]}
+    path = build_tiny(kind, out, **sizes) if out else tiny_model(kind, **sizes)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -24,7 +24,8 @@ def build_parser() -> ArgumentParser:
         description="Train an LLM agent on a Molt environment with asynchronous RL.",
         default_env=False,
     )
-    parser.add_argument("--config", action=ActionConfigFile, help="YAML recipe; later flags override it.")
+    parser.add_argument("--config", action=ActionConfigFile,
+                        help="YAML recipe (see recipes/); flags after it override it.")
     parser.add_class_arguments(Config, nested_key=None, as_group=False)
     return parser
 

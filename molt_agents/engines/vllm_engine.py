@@ -31,6 +31,7 @@ def _configure_vllm_env() -> None:
     # Read by vLLM when the engine is built; an explicit user setting wins.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the CPU default takes far more
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
 @dataclass

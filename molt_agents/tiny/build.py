@@ -42,6 +42,7 @@ DEFAULTS = {
     "top_k": 2,
     "moe_intermediate_size": 64,
     "max_position_embeddings": 4096,
+    "init_std": 0.1,  # wider than transformers' 0.02, so next-token distributions are not flat
     "seed": 0,
 }
 
@@ -57,6 +58,7 @@ def _config(kind: str, p: dict, tokenizer):
         max_position_embeddings=p["max_position_embeddings"],
         tie_word_embeddings=False,
         rope_theta=10000.0,
+        initializer_range=p["init_std"],
         torch_dtype="float32",
         bos_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -183,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
         help="output directory (default: build into the user cache and print its path)",
     )
     for name, value in DEFAULTS.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value, help=f"(default: {value})")
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value, help=f"(default: {value})")
     args = vars(parser.parse_args(argv))
     kind, out = args.pop("kind"), args.pop("out")
     sizes = {k: v for k, v in args.items() if v != DEFAULTS[k]}

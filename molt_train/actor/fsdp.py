@@ -1,0 +1,58 @@
+"""Shard a transformers causal LM with PyTorch FSDP2 (`fully_shard`).
+
+One process group, gloo on CPU and NCCL on GPU. Each decoder block is its own
+FSDP unit (so only one block's full parameters exist at a time), then the
+root module takes what is left (embeddings, final norm, lm_head).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def init_process_group(rank: int, world_size: int, init_method: str) -> torch.device:
+    """Join the trainer's process group; returns this rank's device."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    return device
+
+
+def destroy_process_group() -> None:
+    # Without the barrier gloo occasionally aborts at exit on CPU.
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks, found by the model's own `_no_split_modules`."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [module for module in model.modules() if type(module).__name__ in names]
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} declares no _no_split_modules; cannot find its decoder blocks")
+    return blocks
+
+
+def shard_model(model: nn.Module, mesh=None, reshard_after_forward: bool = True) -> nn.Module:
+    """Apply `fully_shard` to every decoder block, then to the root; in place."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in decoder_blocks(model):
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded parameters on every rank (a collective: all ranks must call it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))

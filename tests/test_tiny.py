@@ -1,0 +1,98 @@
+"""The offline tiny models: deterministic builds, and a tokenizer whose chat template round-trips."""
+
+import hashlib
+import json
+
+import pytest
+
+from molt_agents.tiny import build_tiny
+from molt_agents.tiny.build import main as molt_tiny
+
+TOOLS = [{
+    "type": "function",
+    "function": {
+        "name": "python",
+        "description": "Run Python code and return its output.",
+        "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+    },
+}]
+
+CONVERSATION = [
+    {"role": "system", "content": "Answer briefly."},
+    {"role": "user", "content": "What is 17 * 23?"},
+    {"role": "assistant", "reasoning_content": "Multiply with the tool.", "content": "Let me compute it.",
+     "tool_calls": [{"id": "call_1", "type": "function",
+                     "function": {"name": "python", "arguments": "{\"code\": \"print(17 * 23)\"}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "391"},
+    {"role": "assistant", "content": "17 * 23 = 391."},
+]
+
+
+def _digest(directory):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_molt_tiny_is_deterministic(kind, tmp_path, capsys):
+    molt_tiny(["--kind", kind, "--out", str(tmp_path / "a")])
+    build_tiny(kind, tmp_path / "b")
+    a, b = _digest(tmp_path / "a"), _digest(tmp_path / "b")
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(a)
+    assert a == b
+
+
+def test_tiny_model_respects_engine_constraints(dense_dir, moe_dir):
+    for directory in (dense_dir, moe_dir):
+        config = json.loads((directory / "config.json").read_text())
+        assert config["head_dim"] >= 32
+        assert config["tie_word_embeddings"] is False
+        assert config["vocab_size"] % 64 == 0
+        assert config["dtype"] == "float32"
+    assert json.loads((moe_dir / "config.json").read_text())["model_type"] == "qwen3_moe"
+
+
+def test_bad_sizes_are_refused_with_the_reason(tmp_path):
+    with pytest.raises(ValueError, match="head_dim=16"):
+        build_tiny("dense", tmp_path, head_dim=16)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        build_tiny("dense", tmp_path, vocab_size=1000)
+    with pytest.raises(ValueError, match="unknown tiny model kind"):
+        build_tiny("rnn", tmp_path)
+
+
+def test_chat_template_round_trips_tools_and_tool_calls(dense_dir):
+    from transformers import AutoTokenizer
+
+    from molt_agents.chat_template import render_prompt_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(dense_dir)
+    text = tokenizer.apply_chat_template(CONVERSATION, tools=TOOLS, tokenize=False)
+    ids = render_prompt_ids(tokenizer, CONVERSATION, tools=TOOLS, add_generation_prompt=False)
+    assert tokenizer.decode(ids) == text  # byte-level BPE: decode(encode(text)) == text
+
+    # The tool signature, the call and its result are all in the rendered text.
+    assert json.dumps(TOOLS[0]) in text
+    assert '<tool_call>\n{"name": "python", "arguments": {"code": "print(17 * 23)"}}\n</tool_call>' in text
+    assert "<tool_response>\n391\n</tool_response>" in text
+    assert "<think>\nMultiply with the tool.\n</think>" in text
+
+    # Control and markup tokens are single tokens; markup survives skip_special_tokens.
+    for token in ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<think>", "</think>"]:
+        assert len(tokenizer.encode(token, add_special_tokens=False)) == 1, token
+    kept = tokenizer.decode(ids, skip_special_tokens=True)
+    assert "<tool_call>" in kept and "<|im_start|>" not in kept
+
+
+def test_chat_template_is_prefix_stable(dense_dir):
+    """Rendering a shorter conversation gives a prefix of the longer one (multi-turn stitching)."""
+    from transformers import AutoTokenizer
+
+    from molt_agents.chat_template import render_prompt_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(dense_dir)
+    full = render_prompt_ids(tokenizer, CONVERSATION, tools=TOOLS, add_generation_prompt=False)
+    for cut in range(2, len(CONVERSATION)):
+        prefix = render_prompt_ids(tokenizer, CONVERSATION[:cut], tools=TOOLS, add_generation_prompt=False)
+        assert full[: len(prefix)] == prefix, f"not prefix-stable after {cut} messages"
+    prompt = render_prompt_ids(tokenizer, CONVERSATION[:2], tools=TOOLS, add_generation_prompt=True)
+    assert full[: len(prompt)] == prompt

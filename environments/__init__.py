@@ -1,1 +1,10 @@
-"""Bundled environments: each a small task built on molt_env and molt_agents only."""
+"""Bundled environments, registered on import under a short name and as `molt/<Name>-v0`.
+
+Each is a small task built on molt_env and molt_agents only.
+"""
+
+from molt_env import register
+
+DEFAULT_ENV = "arithmetic"
+
+register("arithmetic", "environments.arithmetic:Arithmetic")

@@ -25,6 +25,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     n: int = 1
+    top_logprobs: int = 0  # also return this many most likely tokens per position
 
     def __post_init__(self):
         if self.n < 1:
@@ -47,6 +48,7 @@ class Sample:
     finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
     routes: object | None = None  # optional int16 [prompt+completion, layers, top_k] expert ids
     prompt_len: int = 0
+    top_logprobs: list[dict[int, float]] | None = None  # when asked: most likely tokens per position
     extra: dict = field(default_factory=dict)
 
 

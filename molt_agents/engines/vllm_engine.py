@@ -42,6 +42,8 @@ class _Pending:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    num_top_logprobs: int = 0
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
 
 
 def _resolve(future: asyncio.Future, result=None, error: BaseException | None = None) -> None:
@@ -107,7 +109,7 @@ class VLLMEngine:
                 stop=list(params.stop) or None,
                 stop_token_ids=list(params.stop_token_ids) or None,
                 seed=None if params.seed is None else params.seed + i,
-                logprobs=0,
+                logprobs=params.top_logprobs,
                 output_kind=RequestOutputKind.DELTA,
             )
             requests.append((uuid.uuid4().hex, vllm_params, loop.create_future()))
@@ -115,7 +117,8 @@ class VLLMEngine:
         def submit():
             for request_id, vllm_params, future in requests:
                 self._engine.add_request(request_id, prompt, vllm_params)
-                self._pending[request_id] = _Pending(loop, future, len(prompt_ids))
+                self._pending[request_id] = _Pending(loop, future, len(prompt_ids),
+                                                     num_top_logprobs=params.top_logprobs)
 
         await self._call(submit)
         try:
@@ -207,11 +210,15 @@ class VLLMEngine:
         pending.token_ids += new_ids
         pending.logprobs += [entry[token].logprob for token, entry in zip(new_ids, completion.logprobs)]
         pending.versions += [self.version] * len(new_ids)
+        if pending.num_top_logprobs:  # vLLM adds the sampled token to the top k; ranks start at 1
+            pending.top_logprobs += [{t: lp.logprob for t, lp in entry.items() if lp.rank <= pending.num_top_logprobs}
+                                     for entry in completion.logprobs]
         if output.finished:
             del self._pending[output.request_id]
             finish_reason = "length" if completion.finish_reason == "length" else "stop"
             sample = Sample(pending.token_ids, pending.logprobs, pending.versions, finish_reason,
-                            prompt_len=pending.prompt_len)
+                            prompt_len=pending.prompt_len,
+                            top_logprobs=pending.top_logprobs if pending.num_top_logprobs else None)
             pending.loop.call_soon_threadsafe(_resolve, pending.future, sample)
 
     def _abort(self, request_ids: list[str]) -> None:

@@ -1,0 +1,70 @@
+"""`ChatAgent`: bring an existing OpenAI-client program as the policy's agent.
+
+An agent is an ordinary program. It gets an `AgentContext` with a base URL
+and an API key for its own loopback session, talks to the policy with the
+stock `openai` client (chat, tools, streaming, n > 1: whatever it already
+does), and returns the episode's reward. The loopback captures every sampled
+token behind its back; no `extra_body`, no special flags.
+
+    class Solver(ChatAgent):
+        async def run(self, ctx):
+            client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key)
+            reply = await client.chat.completions.create(model=ctx.model, messages=ctx.messages)
+            return float(reply.choices[0].message.content.strip() == ctx.task["answer"])
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+from molt_env.trajectory import Trajectory
+
+
+@dataclass
+class AgentContext:
+    base_url: str  # http://127.0.0.1:PORT/s/<session>/v1, for openai.OpenAI(base_url=...)
+    api_key: str
+    model: str
+    messages: list[dict]  # the task's prompt
+    tools: list[dict] | None = None  # OpenAI function schemas the task offers
+    sampling: dict = field(default_factory=dict)  # defaults the loopback applies to unset parameters
+    task: dict = field(default_factory=dict)  # task data (e.g. the expected answer) for computing reward
+    session_id: str = ""
+
+
+@dataclass
+class AgentResult:
+    reward: float
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class ChatAgent:
+    """Subclass and implement `run(ctx)` (sync or async), returning a reward or an `AgentResult`."""
+
+    def run(self, ctx: AgentContext) -> float | AgentResult:
+        raise NotImplementedError(f"{type(self).__name__} must implement run(ctx)")
+
+
+async def run_agent(agent: ChatAgent, loopback, *, messages: list[dict], tools: list[dict] | None = None,
+                    sampling: dict | None = None, task: dict | None = None, rollout_id: str = "",
+                    group_id: str = "") -> list[Trajectory]:
+    """Run `agent` once in a fresh loopback session; returns the session's segments with the reward."""
+    session = loopback.open_session(rollout_id=rollout_id, group_id=group_id, defaults=sampling)
+    ctx = AgentContext(base_url=loopback.base_url(session.id), api_key=loopback.api_key,
+                       model=loopback.model_name, messages=list(messages), tools=tools,
+                       sampling=dict(sampling or {}), task=dict(task or {}), session_id=session.id)
+    if inspect.iscoroutinefunction(agent.run):
+        result = await agent.run(ctx)
+    else:  # a blocking agent (sync openai client) runs in a worker thread
+        result = await asyncio.to_thread(agent.run, ctx)
+    if isinstance(result, AgentResult):
+        reward, info = result.reward, result.info
+    elif isinstance(result, (int, float)) and not isinstance(result, bool):
+        reward, info = float(result), {}
+    else:
+        loopback.finish(session.id, 0.0)
+        raise TypeError(f"{type(agent).__name__}.run returned {result!r}; return a reward or an AgentResult")
+    return loopback.finish(session.id, reward, info)

@@ -1,0 +1,339 @@
+"""The loopback: an OpenAI-compatible server that captures what the policy samples.
+
+Each rollout gets its own base URL, `http://127.0.0.1:PORT/s/<session>/v1`,
+so a stock OpenAI client (any agent program) works unchanged while every
+token id, logprob and weight version is recorded behind its back:
+
+    POST /s/<session>/v1/chat/completions   (stream=true as server-sent events)
+    POST /s/<session>/v1/completions
+    GET  /s/<session>/v1/models
+    POST /s/<session>/finish                {"reward": 1.0} -> the session's trajectories
+
+All routes need `Authorization: Bearer <api_key>` (a fresh key per run by
+default). Bad input gets a 4xx with an OpenAI-style error body and leaves
+the session as it was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import secrets
+import threading
+import uuid
+from collections.abc import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from molt_agents.chat_template import render_text
+from molt_agents.engines.base import SamplingParams
+from molt_agents.loopback import protocol
+from molt_agents.loopback.protocol import APIError, ChatRequest, CompletionRequest
+from molt_agents.loopback.session import Session
+from molt_agents.tool_calls import parse_reply
+from molt_env.trajectory import Trajectory
+
+
+class Loopback:
+    """Serve `engine` (with `tokenizer`) on the OpenAI wire and capture sessions.
+
+    `auto_sessions`: create a session on first use of an unknown id (molt-serve);
+    off, an unknown session is a 404 (training, where the runner opens sessions).
+    `on_finish(trajectories)` receives each finished session's segments.
+    """
+
+    def __init__(self, engine, tokenizer, *, model_name: str = "policy", host: str = "127.0.0.1",
+                 port: int = 0, api_key: str | None = None, max_model_len: int = 4096,
+                 default_max_tokens: int = 512, max_body_bytes: int = 8 << 20, auto_sessions: bool = False,
+                 on_finish: Callable[[list[Trajectory]], None] | None = None):
+        self.engine, self.tokenizer = engine, tokenizer
+        self.model_name, self.host, self.port = model_name, host, port
+        self.api_key = api_key or secrets.token_urlsafe(24)
+        self.max_model_len, self.default_max_tokens = max_model_len, default_max_tokens
+        self.max_body_bytes, self.auto_sessions, self.on_finish = max_body_bytes, auto_sessions, on_finish
+        self.sessions: dict[str, Session] = {}
+        self._sessions_lock = threading.Lock()
+        self._server = None
+        self._thread: threading.Thread | None = None
+        self.app = self._build_app()
+
+    # ------------------------------------------------------------------
+    # Sessions
+
+    def open_session(self, session_id: str | None = None, *, rollout_id: str = "", group_id: str = "",
+                     defaults: dict | None = None) -> Session:
+        session_id = session_id or uuid.uuid4().hex
+        with self._sessions_lock:
+            if session_id in self.sessions:
+                raise ValueError(f"session {session_id!r} already exists")
+            session = Session(session_id, self.tokenizer, rollout_id=rollout_id, group_id=group_id,
+                              defaults=dict(defaults or {}))
+            self.sessions[session_id] = session
+        return session
+
+    def base_url(self, session_id: str) -> str:
+        return f"http://{self.host}:{self.port}/s/{session_id}/v1"
+
+    def finish(self, session_id: str, reward: float, info: dict | None = None) -> list[Trajectory]:
+        """Close a session; returns (and hands to `on_finish`) its segments with the reward."""
+        with self._sessions_lock:
+            session = self.sessions.pop(session_id, None)
+        if session is None:
+            raise APIError(404, f"unknown session '{session_id}'", code="session_not_found")
+        session.finished = True
+        trajectories = session.trajectories(reward, info)
+        if self.on_finish is not None:
+            self.on_finish(trajectories)
+        return trajectories
+
+    def _session(self, session_id: str) -> Session:
+        with self._sessions_lock:
+            session = self.sessions.get(session_id)
+        if session is None:
+            if not self.auto_sessions:
+                raise APIError(404, f"unknown session '{session_id}'", code="session_not_found")
+            try:
+                session = self.open_session(session_id)
+            except ValueError:  # opened concurrently by another request
+                session = self.sessions[session_id]
+        return session
+
+    # ------------------------------------------------------------------
+    # Serving
+
+    async def serve(self) -> None:
+        """Serve on the running event loop until `stop()`."""
+        import uvicorn
+
+        config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning",
+                                lifespan="off", timeout_graceful_shutdown=1)
+        self._server = uvicorn.Server(config)
+        await self._server.serve()
+
+    def start(self) -> Loopback:
+        """Serve from a background thread; returns once the port is listening."""
+        import socket
+
+        if self.port == 0:  # pick the free port now so base URLs are known before serving
+            with socket.socket() as probe:
+                probe.bind((self.host, 0))
+                self.port = probe.getsockname()[1]
+        self._thread = threading.Thread(target=lambda: asyncio.run(self.serve()), daemon=True,
+                                        name="molt-loopback")
+        self._thread.start()
+        while self._server is None or not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"the loopback failed to start on {self.host}:{self.port}")
+            threading.Event().wait(0.02)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------------
+    # App
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="molt loopback", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.exception_handler(APIError)
+        async def api_error(_, error: APIError):
+            return JSONResponse(error.body(), status_code=error.status)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(_, error: StarletteHTTPException):
+            body = APIError(error.status_code, str(error.detail), code="not_found" if error.status_code == 404
+                            else None).body()
+            return JSONResponse(body, status_code=error.status_code)
+
+        @app.middleware("http")
+        async def authorize(request: Request, call_next):
+            if request.headers.get("authorization") != f"Bearer {self.api_key}":
+                error = APIError(401, "missing or wrong API key (Authorization: Bearer <key>)",
+                                 type="authentication_error", code="invalid_api_key")
+                return JSONResponse(error.body(), status_code=401)
+            return await call_next(request)
+
+        @app.get("/s/{session_id}/v1/models")
+        async def models(session_id: str):
+            self._session(session_id)
+            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                                "owned_by": "molt", "max_model_len": self.max_model_len}]}
+
+        @app.post("/s/{session_id}/v1/chat/completions")
+        async def chat_completions(session_id: str, request: Request):
+            payload = await self._read_json(request)
+            body = protocol.parse(ChatRequest, payload)
+            session = self._session(session_id)
+            async with session.lock:
+                rendered = render_text(self.tokenizer, body.messages, body.tools)
+                base = session.base_for_text(rendered)
+                choices, samples = await self._generate(session, base, body, top=body.top_logprobs or 0)
+            response = self._chat_response(body, base, choices, samples)
+            if body.stream:
+                return StreamingResponse(self._chat_stream(body, response), media_type="text/event-stream")
+            return response
+
+        @app.post("/s/{session_id}/v1/completions")
+        async def completions(session_id: str, request: Request):
+            payload = await self._read_json(request)
+            body = protocol.parse(CompletionRequest, payload)
+            session = self._session(session_id)
+            async with session.lock:
+                if isinstance(body.prompt, str):
+                    base = session.base_for_text(body.prompt)
+                else:
+                    if any(t < 0 or t >= len(self.tokenizer) for t in body.prompt):
+                        raise APIError(400, "prompt holds token ids outside the vocabulary", param="prompt")
+                    base = session.base_for_ids(body.prompt)
+                choices, samples = await self._generate(session, base, body, top=body.logprobs or 0)
+            response = self._completion_response(body, base, samples)
+            if body.stream:
+                return StreamingResponse(self._completion_stream(response), media_type="text/event-stream")
+            return response
+
+        @app.post("/s/{session_id}/finish")
+        async def finish(session_id: str, request: Request):
+            payload = await self._read_json(request)
+            reward = payload.get("reward") if isinstance(payload, dict) else None
+            if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+                raise APIError(400, "finish needs {'reward': <finite number>}", param="reward")
+            trajectories = self.finish(session_id, float(reward), payload.get("info"))
+            return {"session": session_id, "segments": len(trajectories),
+                    "trainable_tokens": sum(t.num_trainable for t in trajectories)}
+
+        return app
+
+    async def _read_json(self, request: Request):
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise APIError(413, f"request body over {self.max_body_bytes} bytes", code="body_too_large")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_body_bytes:
+                raise APIError(413, f"request body over {self.max_body_bytes} bytes", code="body_too_large")
+        try:
+            return json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise APIError(400, f"the request body is not valid JSON: {error}", code="invalid_json") from None
+
+    # ------------------------------------------------------------------
+    # Generation
+
+    async def _generate(self, session: Session, base, body, top: int):
+        prompt_len = len(base.token_ids)
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise APIError(400, f"the prompt is {prompt_len} tokens; the context window is "
+                                f"{self.max_model_len}", param="messages", code="context_length_exceeded")
+        defaults = session.defaults
+        pick = lambda value, name, fallback: value if value is not None else defaults.get(name, fallback)  # noqa: E731
+        params = SamplingParams(
+            temperature=pick(body.temperature, "temperature", 1.0),
+            top_p=pick(body.top_p, "top_p", 1.0),
+            top_k=max(pick(body.top_k, "top_k", 0), 0),
+            max_tokens=min(pick(body.max_new_tokens, "max_tokens", self.default_max_tokens), room),
+            stop=tuple(body.stop_list or defaults.get("stop", ())),
+            stop_token_ids=(self.tokenizer.eos_token_id,),
+            seed=pick(body.seed, "seed", None),
+            n=body.n,
+            top_logprobs=top,
+        )
+        prompt = list(base.token_ids)
+        samples = await self.engine.generate(prompt, params)
+        choices = session.choices(base, body.n)
+        for segment, sample in zip(choices, samples):
+            segment.append_sample(sample)
+        return choices, samples
+
+    def _reply_text(self, sample, stop: list[str]) -> str:
+        """What the client sees: no end-of-turn token, cut before a stop string (the tokens stay whole)."""
+        ids = sample.token_ids
+        if ids and ids[-1] == self.tokenizer.eos_token_id:
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        cuts = [text.find(s) for s in stop if s and s in text]
+        return text[: min(cuts)] if cuts else text
+
+    def _usage(self, prompt_len: int, samples) -> dict:
+        completion = sum(len(s.token_ids) for s in samples)
+        return {"prompt_tokens": prompt_len, "completion_tokens": completion,
+                "total_tokens": prompt_len + completion}
+
+    def _logprobs(self, sample) -> list[dict]:
+        tops = sample.top_logprobs or [None] * len(sample.token_ids)
+        return [protocol.token_logprob(self.tokenizer, t, lp, top)
+                for t, lp, top in zip(sample.token_ids, sample.logprobs, tops)]
+
+    def _chat_response(self, body: ChatRequest, base, choices, samples) -> dict:
+        prompt_len = len(base.token_ids) - len(samples[0].token_ids)
+        out = []
+        for index, sample in enumerate(samples):
+            text = self._reply_text(sample, body.stop_list)
+            content, tool_calls = parse_reply(text) if body.tool_choice != "none" and body.tools else (text, [])
+            message = {"role": "assistant", "content": content}
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            finish_reason = "tool_calls" if tool_calls else sample.finish_reason
+            choice = {"index": index, "message": message, "finish_reason": finish_reason,
+                      "logprobs": {"content": self._logprobs(sample)} if body.logprobs else None}
+            out.append(choice)
+        return {"id": protocol.new_id("chatcmpl"), "object": "chat.completion", "created": protocol.now(),
+                "model": self.model_name, "choices": out, "usage": self._usage(prompt_len, samples)}
+
+    def _completion_response(self, body: CompletionRequest, base, samples) -> dict:
+        prompt_len = len(base.token_ids) - len(samples[0].token_ids)
+        out = []
+        for index, sample in enumerate(samples):
+            choice = {"index": index, "text": self._reply_text(sample, body.stop_list),
+                      "finish_reason": sample.finish_reason, "logprobs": None}
+            if body.logprobs is not None:
+                entries = self._logprobs(sample)
+                choice["logprobs"] = {"tokens": [e["token"] for e in entries],
+                                      "token_logprobs": [e["logprob"] for e in entries],
+                                      "top_logprobs": [{t["token"]: t["logprob"] for t in e.get("top_logprobs", [])}
+                                                       for e in entries] if body.logprobs else None,
+                                      "text_offset": []}
+            out.append(choice)
+        return {"id": protocol.new_id("cmpl"), "object": "text_completion", "created": protocol.now(),
+                "model": self.model_name, "choices": out, "usage": self._usage(prompt_len, samples)}
+
+    # ------------------------------------------------------------------
+    # Streaming: the reply is sampled in full, then sent as server-sent events.
+
+    async def _chat_stream(self, body: ChatRequest, response: dict):
+        base = {"id": response["id"], "object": "chat.completion.chunk", "created": response["created"],
+                "model": response["model"]}
+
+        def event(choices, **extra):
+            return f"data: {json.dumps({**base, 'choices': choices, **extra})}\n\n"
+
+        for choice in response["choices"]:
+            index, message = choice["index"], choice["message"]
+            yield event([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+            if message["content"]:
+                logprobs = choice["logprobs"]
+                yield event([{"index": index, "delta": {"content": message["content"]}, "finish_reason": None,
+                              "logprobs": logprobs}])
+            for i, call in enumerate(message.get("tool_calls", [])):
+                yield event([{"index": index, "delta": {"tool_calls": [{"index": i, **call}]},
+                              "finish_reason": None}])
+            yield event([{"index": index, "delta": {}, "finish_reason": choice["finish_reason"]}])
+        if body.include_usage_in_stream:
+            yield event([], usage=response["usage"])
+        yield "data: [DONE]\n\n"
+
+    async def _completion_stream(self, response: dict):
+        for choice in response["choices"]:
+            chunk = {**response, "choices": [choice]}
+            chunk.pop("usage")
+            yield f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,64 @@
+"""A loopback session: one rollout's conversation, captured as segments.
+
+Each request to `/s/<session>/v1/...` is matched against the session's open
+segments (the choices of its last reply). If the request's rendered prompt
+extends one of them, the delta is appended after its exact sampled tokens and
+generation continues there; otherwise the history was rewritten and a new
+segment starts from the full prompt. With `n > 1`, every choice gets its own
+segment; siblings hold the shared prefix as context, so it is trained once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from molt_agents.segment import Segment
+from molt_env.trajectory import Trajectory
+
+
+@dataclass
+class Session:
+    id: str
+    tokenizer: object
+    rollout_id: str = ""
+    group_id: str = ""
+    defaults: dict = field(default_factory=dict)  # sampling defaults for requests that set none
+    segments: list[Segment] = field(default_factory=list)
+    open: list[Segment] = field(default_factory=list)  # the last reply's choices, extendable
+    finished: bool = False
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def base_for_text(self, rendered: str) -> Segment:
+        """The segment to continue for a prompt that renders to `rendered`."""
+        for segment in self.open:
+            if segment.extend_to(rendered):
+                return segment
+        segment = Segment.from_text(self.tokenizer, rendered)
+        self.segments.append(segment)
+        return segment
+
+    def base_for_ids(self, prompt_ids: list[int]) -> Segment:
+        """The segment to continue for a raw token-id prompt (`/completions`)."""
+        for segment in self.open:
+            n = len(segment.token_ids)
+            if prompt_ids[:n] == segment.token_ids:
+                segment.append_context(prompt_ids[n:])
+                return segment
+        segment = Segment(self.tokenizer)
+        segment.append_context(list(prompt_ids))
+        self.segments.append(segment)
+        return segment
+
+    def choices(self, base: Segment, n: int) -> list[Segment]:
+        """`n` segments to receive the `n` samples: the base and forks of it."""
+        forks = [base.fork() for _ in range(n - 1)]
+        self.segments += forks
+        self.open = [base, *forks]
+        return self.open
+
+    def trajectories(self, reward: float, info: dict | None = None) -> list[Trajectory]:
+        kept = [s for s in self.segments if any(s.mask)]
+        return [s.to_trajectory(reward=reward, rollout_id=self.rollout_id or self.id, group_id=self.group_id,
+                                segment=i, num_segments=len(kept), info={"session": self.id, **(info or {})})
+                for i, s in enumerate(kept)]

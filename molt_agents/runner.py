@@ -1,0 +1,62 @@
+"""The env runner: the framework owns the loop between an `Env` and an engine.
+
+    observation -> chat template -> engine samples -> reply text -> env.step
+        -> append only the next observation's delta after the exact sampled tokens -> ...
+
+until the environment terminates or truncates, the turn limit, or the token
+budget. Per-step rewards are kept in `info["step_rewards"]`; the episode
+return (their sum) is the trajectory's reward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+
+from molt_agents.chat_template import render_text
+from molt_agents.engines.base import SamplingParams
+from molt_agents.segment import Segment
+from molt_env.spaces import as_messages
+from molt_env.trajectory import Trajectory
+
+
+async def run_episode(env, engine, tokenizer, params: SamplingParams, *, max_total_tokens: int,
+                      seed: int | None = None, options: dict | None = None,
+                      rollout_id: str | None = None, group_id: str = "") -> list[Trajectory]:
+    """Play one episode of `env` with the policy behind `engine`; returns its segments."""
+    observation, reset_info = await env.areset(seed=seed, options=options)
+    messages = as_messages(observation)
+    tools = getattr(env, "tools", None)
+    segment = Segment.from_text(tokenizer, render_text(tokenizer, messages, tools))
+    segments = [segment]
+    step_rewards: list[float] = []
+    truncated = False
+    max_turns = getattr(env, "max_turns", None)
+    while True:
+        budget = max_total_tokens - len(segment.token_ids)
+        if budget <= 0:
+            truncated = True
+            break
+        turn_params = dataclasses.replace(params, n=1, max_tokens=min(params.max_tokens, budget))
+        (sample,) = await engine.generate(segment.token_ids, turn_params)
+        segment.append_sample(sample)
+        reply = tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+        observation, reward, terminated, truncated, _ = await env.astep(reply)
+        step_rewards.append(float(reward))
+        if terminated or truncated:
+            break
+        if max_turns is not None and len(step_rewards) >= max_turns:
+            truncated = True
+            break
+        messages = messages + [{"role": "assistant", "content": reply}] + as_messages(observation)
+        rendered = render_text(tokenizer, messages, tools)
+        if not segment.extend_to(rendered):  # the template rewrote history: seal, start anew
+            segment = Segment.from_text(tokenizer, rendered)
+            segments.append(segment)
+
+    rollout_id = rollout_id or uuid.uuid4().hex
+    kept = [s for s in segments if any(s.mask)]
+    info = {"step_rewards": step_rewards, "turns": len(step_rewards), "reset_info": reset_info}
+    return [s.to_trajectory(reward=sum(step_rewards), rollout_id=rollout_id, group_id=group_id,
+                            segment=i, num_segments=len(kept), truncated=bool(truncated), info=info)
+            for i, s in enumerate(kept)]

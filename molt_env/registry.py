@@ -1,0 +1,79 @@
+"""Find an environment by name: Gymnasium's registry plus short names and import paths.
+
+`make(spec)` accepts
+  - a short name registered with `register` (`molt-train --env arithmetic`),
+  - a Gymnasium id (`molt/Arithmetic-v0`, or any other registered id),
+  - `package.module:Class`,
+  - `path/to/file.py:Class`.
+Environments registered here are Gymnasium environments too:
+`gymnasium.make("molt/Arithmetic-v0")` works once the module that registers
+it is imported (the bundled ones register on `import environments`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
+import gymnasium
+
+_SHORT_NAMES: dict[str, str] = {}  # short name -> Gymnasium id
+
+
+def gym_id(name: str) -> str:
+    """The Gymnasium id of short name `name`: `guess_number` -> `molt/GuessNumber-v0`."""
+    return "molt/" + "".join(part.capitalize() for part in name.replace("-", "_").split("_")) + "-v0"
+
+
+def register(name: str, entry_point: str | type, **kwargs) -> str:
+    """Register `entry_point` under short `name` and as `molt/<Name>-v0`; returns the Gymnasium id.
+
+    `kwargs` are the environment's constructor defaults.
+    """
+    env_id = gym_id(name)
+    gymnasium.register(id=env_id, entry_point=entry_point, kwargs=kwargs)
+    _SHORT_NAMES[name] = env_id
+    return env_id
+
+
+def registered() -> dict[str, str]:
+    """Short names and their Gymnasium ids."""
+    return dict(_SHORT_NAMES)
+
+
+def _load_class(spec: str):
+    target, _, attribute = spec.rpartition(":")
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.is_file():
+            raise ValueError(f"--env {spec!r}: no file {path}")
+        module_name = f"molt_user_env_{abs(hash(str(path.resolve())))}"
+        loader_spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[module_name] = module
+        loader_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(target)
+    try:
+        return getattr(module, attribute)
+    except AttributeError:
+        raise ValueError(f"--env {spec!r}: {target} has no attribute {attribute!r}") from None
+
+
+def make(spec: str, **kwargs):
+    """Instantiate the environment named by `spec` (see the module docstring)."""
+    if ":" in spec and not spec.startswith("molt/"):
+        return _load_class(spec)(**kwargs)
+    env_id = _SHORT_NAMES.get(spec, spec)
+    try:
+        # The plain environment: the runner enforces turn limits itself and
+        # calls its async methods, which Gymnasium's wrappers do not forward.
+        return gymnasium.make(env_id, disable_env_checker=True, **kwargs).unwrapped
+    except gymnasium.error.Error as error:
+        known = ", ".join(sorted(_SHORT_NAMES)) or "none registered"
+        raise ValueError(
+            f"unknown environment {spec!r} ({error}). Known short names: {known}; "
+            "or pass package.module:Class or path/to/file.py:Class"
+        ) from None

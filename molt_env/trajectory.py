@@ -1,0 +1,155 @@
+"""`Trajectory`: the one record that crosses from rollout to training.
+
+One trajectory is one segment of a rollout: a token sequence exactly as the
+engine saw and produced it. Tokens with `mask == 1` were sampled by the
+engine and are the only ones trained; each carries the engine's logprob and
+the weight version that sampled it. A rollout whose history was rewritten
+(context compaction, a template that drops old reasoning) has several
+segments; they share the rollout's reward and count once in group baselines.
+
+`validate` checks the invariant before a trajectory enters the training
+queue and names what is wrong with a reason code that metrics count.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class Trajectory:
+    token_ids: list[int]  # the whole sequence, prompt and generations, as the engine saw it
+    logprobs: list[float | None]  # engine sampling logprob where mask == 1, None elsewhere
+    mask: list[int]  # 1 where the policy sampled the token (trained), 0 for prompt / env / tool tokens
+    versions: list[int]  # engine weight version that sampled the token where mask == 1, -1 elsewhere
+    reward: float = 0.0  # the rollout's return, shared by all its segments
+    rollout_id: str = ""
+    group_id: str = ""  # rollouts of the same prompt, for group baselines
+    segment: int = 0  # index of this segment in its rollout
+    num_segments: int = 1
+    finish_reason: str = ""  # of the last generation: "stop", "length", "tool_calls"
+    truncated: bool = False  # the episode hit a turn or length budget
+    routes: np.ndarray | None = None  # optional int16 [T, layers, top_k] expert ids, -1 where unknown
+    mm: dict | None = None  # optional multimodal tensors and their placeholder positions
+    info: dict[str, Any] = field(default_factory=dict)  # episode facts (step rewards, task data)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_trainable(self) -> int:
+        return sum(self.mask)
+
+    # ------------------------------------------------------------------
+    # JSON lines
+
+    def to_dict(self) -> dict:
+        record = asdict(self)
+        if self.routes is not None:
+            routes = np.ascontiguousarray(self.routes, dtype=np.int16)
+            record["routes"] = {"shape": list(routes.shape),
+                                "int16_base64": base64.b64encode(routes.tobytes()).decode()}
+        return record
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), default=_plain)
+
+    @classmethod
+    def from_dict(cls, record: dict) -> Trajectory:
+        record = dict(record)
+        routes = record.get("routes")
+        if routes is not None:
+            data = np.frombuffer(base64.b64decode(routes["int16_base64"]), dtype=np.int16)
+            record["routes"] = data.reshape(routes["shape"]).copy()
+        return cls(**record)
+
+    @classmethod
+    def from_json(cls, line: str) -> Trajectory:
+        return cls.from_dict(json.loads(line))
+
+
+def _plain(value):
+    """JSON for the numpy values environments tend to put in `info`."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} in a trajectory is not JSON serializable")
+
+
+# --------------------------------------------------------------------------
+# Validation
+
+class InvalidTrajectory(ValueError):
+    """A trajectory that breaks the token-first invariant; `reason` is a short code."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+REASONS = (
+    "empty",                      # no tokens at all
+    "length_mismatch",            # logprobs / mask / versions not aligned with token_ids
+    "bad_token_id",               # a token id that is not a non-negative int
+    "bad_mask",                   # a mask value other than 0 or 1
+    "no_trainable_tokens",        # nothing the policy sampled
+    "first_token_trainable",      # token 0 has no context to be predicted from
+    "trainable_without_logprob",  # a sampled token with no (or an impossible) engine logprob
+    "trainable_without_version",  # a sampled token with no engine weight version
+    "routes_mismatch",            # routes not [T, layers, top_k] int16 for these tokens
+    "bad_reward",                 # reward not a finite number
+)
+
+
+def check(trajectory: Trajectory) -> None:
+    """Raise `InvalidTrajectory` if `trajectory` breaks the invariant."""
+    t = trajectory
+    n = len(t.token_ids)
+    if n == 0:
+        raise InvalidTrajectory("empty", "no tokens")
+    for name in ("logprobs", "mask", "versions"):
+        if len(getattr(t, name)) != n:
+            raise InvalidTrajectory("length_mismatch", f"{len(getattr(t, name))} {name} for {n} tokens")
+    bad = next((i for i, tok in enumerate(t.token_ids) if not isinstance(tok, int) or tok < 0), None)
+    if bad is not None:
+        raise InvalidTrajectory("bad_token_id", f"token {bad} is {t.token_ids[bad]!r}")
+    if any(m not in (0, 1) for m in t.mask):
+        raise InvalidTrajectory("bad_mask", "mask values must be 0 or 1")
+    if not any(t.mask):
+        raise InvalidTrajectory("no_trainable_tokens", "no token was sampled by the policy")
+    if t.mask[0]:
+        raise InvalidTrajectory("first_token_trainable", "token 0 has no context")
+    for i, (m, logprob, version) in enumerate(zip(t.mask, t.logprobs, t.versions)):
+        if not m:
+            continue
+        if not isinstance(logprob, (int, float)) or not math.isfinite(logprob) or logprob > 1e-6:
+            raise InvalidTrajectory("trainable_without_logprob", f"token {i} has logprob {logprob!r}")
+        if not isinstance(version, int) or version < 0:
+            raise InvalidTrajectory("trainable_without_version", f"token {i} has version {version!r}")
+    if t.routes is not None:
+        routes = t.routes
+        if not isinstance(routes, np.ndarray) or routes.dtype != np.int16 or routes.ndim != 3 \
+                or routes.shape[0] != n:
+            shape = getattr(routes, "shape", None)
+            dtype = getattr(routes, "dtype", type(routes).__name__)
+            raise InvalidTrajectory("routes_mismatch", f"routes {shape} {dtype} for {n} tokens; "
+                                    "want int16 [tokens, layers, top_k]")
+    if not isinstance(t.reward, (int, float)) or not math.isfinite(t.reward):
+        raise InvalidTrajectory("bad_reward", f"reward {t.reward!r}")
+
+
+def validate(trajectory: Trajectory) -> str | None:
+    """The reason code if `trajectory` is invalid, else None."""
+    try:
+        check(trajectory)
+    except InvalidTrajectory as error:
+        return error.reason
+    return None

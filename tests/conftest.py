@@ -68,3 +68,59 @@ def vllm_moe(vllm_engines, moe_dir):
 def run(coroutine):
     """Run a coroutine to completion from a sync test."""
     return asyncio.run(coroutine)
+
+
+@pytest.fixture
+def loopback(vllm_engines, dense_dir):
+    """A live loopback over the session's dense engine, on a random port."""
+    from transformers import AutoTokenizer
+
+    from molt_agents.loopback import Loopback
+
+    captured = []
+    server = Loopback(vllm_engines.get(dense_dir), AutoTokenizer.from_pretrained(dense_dir),
+                      max_model_len=512, on_finish=captured.extend).start()
+    server.captured = captured
+    yield server
+    server.stop()
+
+
+def memorize(model_dir, conversations, tools=None, steps=40, lr=3e-2):
+    """Fine-tune the tiny model until it reproduces the assistant turns of `conversations`.
+
+    The untrained tiny model emits random tokens; tests that need a policy which
+    really writes tool calls train one here, on CPU in seconds, and load it into
+    the engine through the real weight-update path. Returns the state dict.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from molt_agents.chat_template import render_text
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    batch = []
+    for messages in conversations:
+        ids, labels, done = [], [], ""
+        for i, message in enumerate(messages):
+            pieces = []
+            if message["role"] == "assistant":  # the generation prompt is context
+                prompt = render_text(tokenizer, messages[:i], tools, add_generation_prompt=True)
+                pieces.append((prompt, False))
+            pieces.append((render_text(tokenizer, messages[: i + 1], tools, add_generation_prompt=False),
+                           message["role"] == "assistant"))
+            for text, trained in pieces:
+                piece = tokenizer.encode(text[len(done):], add_special_tokens=False)
+                ids += piece
+                labels += piece if trained else [-100] * len(piece)
+                done = text
+        batch.append((torch.tensor([ids]), torch.tensor([labels])))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    torch.manual_seed(0)
+    for _ in range(steps):
+        for ids, labels in batch:
+            loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}

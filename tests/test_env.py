@@ -1,0 +1,132 @@
+"""The Gymnasium side: `Env` subclasses pass `check_env`, names resolve, bad trajectories are named."""
+
+import math
+
+import gymnasium
+import numpy as np
+import pytest
+from gymnasium.utils.env_checker import check_env
+
+import environments
+import environments.arithmetic
+import molt_env
+from molt_env import Env, InvalidTrajectory, Trajectory, check, validate
+
+
+class Echo(Env):
+    """Written as the `Env` docstring shows a user to write one."""
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.word = str(self.np_random.choice(["cat", "dog", "owl"]))
+        return f"Say {self.word}.", {}
+
+    def step(self, action):
+        return "", float(self.word in action), True, False, {}
+
+
+class Chatty(Env):
+    """Chat-message observations, several turns."""
+
+    tools = [{"type": "function", "function": {"name": "noop", "parameters": {}}}]
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.turn = 0
+        return [{"role": "system", "content": "Be nice."}, {"role": "user", "content": "Hi"}], {}
+
+    def step(self, action):
+        self.turn += 1
+        return [{"role": "user", "content": f"turn {self.turn}"}], 0.5, self.turn >= 3, False, {}
+
+
+@pytest.mark.parametrize("env", [Echo(), Chatty(), environments.arithmetic.Arithmetic()])
+def test_check_env_passes(env):
+    check_env(env, skip_render_check=True)
+
+
+def test_gymnasium_make_and_molt_names():
+    assert environments.DEFAULT_ENV in molt_env.registered()
+    env = gymnasium.make("molt/Arithmetic-v0")
+    observation, info = env.reset(seed=3)
+    assert "What is" in observation and isinstance(info["answer"], int)
+    assert isinstance(molt_env.make("arithmetic"), environments.arithmetic.Arithmetic)
+    assert isinstance(molt_env.make("molt/Arithmetic-v0"), environments.arithmetic.Arithmetic)
+    assert molt_env.make("environments.arithmetic:Arithmetic", max_operand=3).max_operand == 3
+
+
+def test_make_from_a_file_path(tmp_path):
+    path = tmp_path / "mytask.py"
+    path.write_text("from molt_env import Env\n"
+                    "class MyTask(Env):\n"
+                    "    def reset(self, *, seed=None, options=None):\n"
+                    "        super().reset(seed=seed)\n"
+                    "        return 'q', {}\n"
+                    "    def step(self, action):\n"
+                    "        return '', 1.0, True, False, {}\n")
+    env = molt_env.make(f"{path}:MyTask")
+    assert env.reset(seed=0) == ("q", {})
+    check_env(env, skip_render_check=True)
+
+
+def test_unknown_names_say_what_is_known():
+    with pytest.raises(ValueError, match="arithmetic"):
+        molt_env.make("no_such_env")
+    with pytest.raises(ValueError, match="no file"):
+        molt_env.make("missing/file.py:Task")
+    with pytest.raises(ValueError, match="no attribute"):
+        molt_env.make("environments.arithmetic:Nope")
+
+
+def test_arithmetic_reward():
+    env = environments.arithmetic.Arithmetic()
+    _, info = env.reset(seed=0)
+    answer = info["answer"]
+    assert env.step(f"The answer is {answer}.")[1] == 1.0
+    env.reset(seed=0)
+    assert env.step(f"{answer + 1}")[1] == 0.0
+    env.reset(seed=0)
+    assert env.step("no idea")[1] == 0.0
+
+
+# --------------------------------------------------------------------------
+# Trajectory
+
+
+def _good(**changes):
+    fields = dict(token_ids=[5, 6, 7, 8], logprobs=[None, None, -0.5, -1.25], mask=[0, 0, 1, 1],
+                  versions=[-1, -1, 3, 4], reward=1.0, rollout_id="r", group_id="g")
+    fields.update(changes)
+    return Trajectory(**fields)
+
+
+def test_valid_trajectory_round_trips_through_json():
+    trajectory = _good(routes=np.arange(4 * 2 * 2, dtype=np.int16).reshape(4, 2, 2), info={"x": np.int64(3)})
+    check(trajectory)
+    again = Trajectory.from_json(trajectory.to_json())
+    assert again.token_ids == trajectory.token_ids and again.logprobs == trajectory.logprobs
+    assert np.array_equal(again.routes, trajectory.routes) and again.routes.dtype == np.int16
+    assert again.info == {"x": 3}
+
+
+@pytest.mark.parametrize("changes,reason", [
+    (dict(token_ids=[], logprobs=[], mask=[], versions=[]), "empty"),
+    (dict(mask=[0, 0, 1]), "length_mismatch"),
+    (dict(token_ids=[5, -6, 7, 8]), "bad_token_id"),
+    (dict(mask=[0, 0, 2, 1]), "bad_mask"),
+    (dict(mask=[0, 0, 0, 0]), "no_trainable_tokens"),
+    (dict(mask=[1, 0, 1, 1], logprobs=[-1.0, None, -0.5, -1.0], versions=[0, -1, 3, 4]), "first_token_trainable"),
+    (dict(logprobs=[None, None, None, -1.0]), "trainable_without_logprob"),
+    (dict(logprobs=[None, None, math.nan, -1.0]), "trainable_without_logprob"),
+    (dict(logprobs=[None, None, 0.5, -1.0]), "trainable_without_logprob"),
+    (dict(versions=[-1, -1, -1, 4]), "trainable_without_version"),
+    (dict(routes=np.zeros((3, 2, 2), dtype=np.int16)), "routes_mismatch"),
+    (dict(routes=np.zeros((4, 2, 2), dtype=np.int64)), "routes_mismatch"),
+    (dict(reward=math.inf), "bad_reward"),
+])
+def test_validator_names_what_is_wrong(changes, reason):
+    trajectory = _good(**changes)
+    assert validate(trajectory) == reason
+    with pytest.raises(InvalidTrajectory) as error:
+        check(trajectory)
+    assert error.value.reason == reason

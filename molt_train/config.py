@@ -14,8 +14,8 @@ from typing import Literal
 class EngineConfig:
     """Rollout engine."""
 
-    name: Literal["vllm"] = "vllm"
-    """Engine backend."""
+    name: Literal["vllm", "hf"] = "vllm"
+    """Engine backend: vllm, or hf (the transformers fallback)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Engine weight dtype."""
     max_model_len: int = 4096

@@ -1,0 +1,209 @@
+"""The engine thread shared by every backend: async requests in, one step at a time.
+
+A backend implements four methods that run on the engine thread: start a
+request, advance all running requests by one step, abort requests, reload
+weights. This class owns the rest: coroutines submit work to the thread and
+await futures, so no request blocks the event loop; all running requests
+advance together in each step, so concurrent requests batch; a pause takes
+effect between two steps, and so does a weight update, which is why every
+token can be stamped with the exact version of the weights that sampled it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import uuid
+from dataclasses import dataclass, field
+
+from molt_agents.engines.base import Sample, SamplingParams
+
+
+@dataclass
+class Progress:
+    """What one step produced for one request."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]] | None = None
+    finished: bool = False
+    finish_reason: str = "stop"
+    routes: object | None = None  # set when finished, if the backend captures expert routes
+
+
+@dataclass
+class _Pending:
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    prompt_len: int
+    want_top: bool
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+
+
+def _resolve(future: asyncio.Future, result=None, error: BaseException | None = None) -> None:
+    if future.done():  # the awaiting coroutine was cancelled
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+class SteppedEngine:
+    """Base of the engines; subclasses implement the four `_backend_*` methods."""
+
+    def __init__(self):
+        self.version = 0
+        self._pending: dict[str, _Pending] = {}  # touched only on the engine thread
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._paused = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"molt-{type(self).__name__}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------
+    # Backend interface (engine thread)
+
+    def _backend_start(self, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int) -> None:
+        raise NotImplementedError
+
+    def _backend_step(self) -> list[Progress]:
+        raise NotImplementedError
+
+    def _backend_has_work(self) -> bool:
+        raise NotImplementedError
+
+    def _backend_abort(self, request_ids: list[str]) -> None:
+        raise NotImplementedError
+
+    def _backend_reload(self, named_tensors) -> None:
+        raise NotImplementedError
+
+    def _backend_close(self) -> None:
+        pass
+
+    # ------------------------------------------------------------------
+    # Public async interface
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
+        if not prompt_ids or not all(isinstance(t, int) and t >= 0 for t in prompt_ids):
+            raise ValueError("prompt_ids must be a non-empty list of token ids")
+        loop = asyncio.get_running_loop()
+        requests = [(uuid.uuid4().hex, loop.create_future()) for _ in range(params.n)]
+
+        def submit():
+            for index, (request_id, future) in enumerate(requests):
+                self._backend_start(request_id, list(prompt_ids), params, index)
+                self._pending[request_id] = _Pending(loop, future, len(prompt_ids), bool(params.top_logprobs))
+
+        await self._call(submit)
+        try:
+            return list(await asyncio.gather(*(future for _, future in requests)))
+        except asyncio.CancelledError:
+            ids = [request_id for request_id, _ in requests]
+            self._submit(lambda: self._abort(ids))
+            raise
+
+    async def pause(self) -> None:
+        await self._call(lambda: setattr(self, "_paused", True))
+
+    async def resume(self) -> None:
+        await self._call(lambda: setattr(self, "_paused", False))
+
+    async def update_weights(self, named_tensors) -> int:
+        """Load `(hf_name, tensor)` pairs in place between two steps; returns the new version.
+
+        Tokens sampled after it carry the new version; requests in flight continue.
+        """
+
+        def load():
+            self._backend_reload(named_tensors)
+            self.version += 1
+            return self.version
+
+        return await self._call(load)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+        self._backend_close()
+
+    # ------------------------------------------------------------------
+    # Engine thread
+
+    def _submit(self, job) -> None:
+        self._inbox.put(job)
+        self._wake.set()
+
+    async def _call(self, fn):
+        """Run `fn` on the engine thread between two steps and await its result."""
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def job():
+            try:
+                result = fn()
+            except BaseException as error:  # handed to the awaiting coroutine
+                loop.call_soon_threadsafe(_resolve, future, None, error)
+            else:
+                loop.call_soon_threadsafe(_resolve, future, result)
+
+        self._submit(job)
+        return await future
+
+    def _run(self) -> None:
+        while not self._closed:
+            while True:
+                try:
+                    self._inbox.get_nowait()()
+                except queue.Empty:
+                    break
+            if self._paused or not self._backend_has_work():
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                progress = self._backend_step()
+            except BaseException as error:  # fail every request rather than hang them
+                self._fail_all(error)
+                continue
+            for item in progress:
+                self._collect(item)
+        self._fail_all(RuntimeError("the engine was closed"))
+
+    def _collect(self, item: Progress) -> None:
+        pending = self._pending.get(item.request_id)
+        if pending is None:
+            return
+        pending.token_ids += item.token_ids
+        pending.logprobs += item.logprobs
+        pending.versions += [self.version] * len(item.token_ids)
+        if pending.want_top:
+            pending.top_logprobs += item.top_logprobs or [{} for _ in item.token_ids]
+        if item.finished:
+            del self._pending[item.request_id]
+            sample = Sample(pending.token_ids, pending.logprobs, pending.versions, item.finish_reason,
+                            routes=item.routes, prompt_len=pending.prompt_len,
+                            top_logprobs=pending.top_logprobs if pending.want_top else None)
+            pending.loop.call_soon_threadsafe(_resolve, pending.future, sample)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        live = [request_id for request_id in request_ids if self._pending.pop(request_id, None)]
+        if live:
+            self._backend_abort(live)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for pending in self._pending.values():
+            pending.loop.call_soon_threadsafe(_resolve, pending.future, None, error)
+        self._abort(list(self._pending))

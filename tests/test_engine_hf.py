@@ -1,0 +1,93 @@
+"""The transformers fallback engine: same contract as vLLM, plus MoE expert routes on CPU."""
+
+import numpy as np
+import pytest
+import torch
+from conftest import run
+from test_engine_vllm import _check_against_transformers, _check_samples, _prompt
+from transformers import AutoModelForCausalLM
+
+from molt_agents.engines import SamplingParams, make_engine
+from molt_agents.engines.hf_engine import sample_token
+
+
+@pytest.fixture(scope="module")
+def hf_moe(moe_dir):
+    engine = make_engine("hf", moe_dir)
+    yield engine
+    engine.close()
+
+
+def test_hf_engine_batches_and_matches_transformers(hf_moe, moe_dir):
+    prompt = _prompt(moe_dir)
+    params = SamplingParams(max_tokens=12, n=3, seed=4, top_logprobs=2)
+
+    async def both():  # two prompts of different lengths in flight together: one padded batch
+        import asyncio
+
+        return await asyncio.gather(hf_moe.generate(prompt, params), hf_moe.generate(prompt[:-3], params))
+
+    samples, shorter = run(both())
+    _check_samples(samples, params, version=hf_moe.version)
+    model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    assert _check_against_transformers(model, prompt, samples) < 1e-5
+    assert _check_against_transformers(model, prompt[:-3], shorter) < 1e-5
+    assert all(len(top) == 2 for top in samples[0].top_logprobs)
+
+
+def test_hf_engine_captures_routes_that_replay_the_forward(hf_moe, moe_dir):
+    prompt = _prompt(moe_dir)
+    (sample,) = run(hf_moe.generate(prompt, SamplingParams(max_tokens=8, seed=0)))
+    routes = sample.routes
+    config = AutoModelForCausalLM.from_pretrained(moe_dir).config
+    total = len(prompt) + len(sample.token_ids)
+    assert routes.dtype == np.int16 and routes.shape == (total, config.num_hidden_layers, config.num_experts_per_tok)
+    assert (routes[-1] == -1).all() and (routes[:-1] >= 0).all()
+    # The recorded experts are the ones an unpadded forward over the same tokens picks.
+    model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    chosen = []
+    hooks = [m.register_forward_hook(lambda mod, a, out: chosen.append(out[-1]))
+             for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    with torch.no_grad():
+        model(torch.tensor([prompt + sample.token_ids[:-1]]))
+    for hook in hooks:
+        hook.remove()
+    reference = torch.stack(chosen, 1).numpy()  # [T-1, layers, top_k]
+    assert np.array_equal(np.sort(routes[:-1], -1), np.sort(reference, -1))
+
+
+def test_hf_engine_weight_update_and_pause(hf_moe, moe_dir):
+    import asyncio
+
+    prompt = _prompt(moe_dir)
+    model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.0)
+
+    async def scenario():
+        await hf_moe.pause()
+        request = asyncio.ensure_future(hf_moe.generate(prompt, SamplingParams(max_tokens=6, seed=1)))
+        await asyncio.sleep(0.2)
+        assert not request.done()  # paused: no step runs
+        version = await hf_moe.update_weights(list(model.state_dict().items()))
+        await hf_moe.resume()
+        return version, await request
+
+    version, (sample,) = run(scenario())
+    assert set(sample.versions) == {version}  # every token sampled after the swap
+    assert _check_against_transformers(model, prompt, [sample]) < 1e-5
+    original = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    run(hf_moe.update_weights(list(original.state_dict().items())))
+
+
+def test_sample_token_truncations():
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0])
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        token, logprob, _ = sample_token(logits, SamplingParams(top_k=2), generator)
+        assert token in (0, 1)
+        assert logprob == pytest.approx(torch.log_softmax(logits[:2], -1)[token].item(), abs=1e-6)
+    token, logprob, top = sample_token(logits, SamplingParams(temperature=0), None, top_logprobs=3)
+    assert token == 0 and list(top) == [0, 1, 2]
+    # top_p=0.5: the first token alone holds 0.66 of the mass.
+    assert all(sample_token(logits, SamplingParams(top_p=0.5), generator)[0] == 0 for _ in range(10))

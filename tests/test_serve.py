@@ -1,0 +1,40 @@
+"""`molt-serve` as a user starts it: a subprocess, a stock client, trajectories on disk."""
+
+import json
+import re
+import subprocess
+import sys
+
+import httpx
+import openai
+
+
+def test_molt_serve_captures_sessions_to_a_file(tmp_path):
+    out = tmp_path / "trajectories.jsonl"
+    process = subprocess.Popen([sys.executable, "-m", "molt_agents.serve", "--api-key", "k3y",
+                                "--trajectories", str(out), "--max-model-len", "512"],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        lines = []
+        while not any(line.startswith("API key") for line in lines):
+            line = process.stdout.readline()
+            assert line, "molt-serve exited before it printed its key"
+            lines.append(line)
+        base = re.search(r"base URL: (\S+)", "".join(lines)).group(1)
+        assert base.endswith("/s/<session>/v1")
+        client = openai.OpenAI(base_url=base.replace("<session>", "mine"), api_key="k3y", max_retries=0)
+        reply = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=5, n=2, seed=0)
+        finish = httpx.post(base.replace("<session>/v1", "mine/finish"), json={"reward": 0.75},
+                            headers={"Authorization": "Bearer k3y"})
+        assert finish.json()["segments"] == 2
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 2
+    for record in records:
+        assert record["session"] == "mine" and record["reward"] == 0.75
+        assert {"token_ids", "mask", "logprobs", "versions", "finish_reason"} <= set(record)
+        assert all((lp is not None) == bool(m) for m, lp in zip(record["mask"], record["logprobs"]))
+    assert sum(sum(r["mask"]) for r in records) == reply.usage.completion_tokens

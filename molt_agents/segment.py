@@ -70,6 +70,11 @@ class Segment:
             self.append_context(self.tokenizer.encode(delta, add_special_tokens=False))
         return True
 
+    def truncate(self, length: int) -> None:
+        """Drop everything after the first `length` tokens (undo a failed request's additions)."""
+        for name in ("token_ids", "mask", "logprobs", "versions"):
+            del getattr(self, name)[length:]
+
     def fork(self) -> Segment:
         """A copy whose existing tokens are context only, for a sibling choice (`n > 1`).
 

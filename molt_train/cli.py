@@ -1,8 +1,8 @@
 """`molt-train`: parse the config tree, print it resolved, run.
 
 The training loop lands with the trainer issue. Until then a run checks the
-stack end to end: it loads the model into the rollout engine, samples a
-completion for a chat prompt and prints every sampled token with its logprob
+stack end to end: it loads the model into the rollout engine, plays one
+episode of the environment and prints every sampled token with its logprob
 and weight version, the facts the trainer will consume.
 """
 
@@ -39,40 +39,46 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config, str]:
     return Config(**{k: v for k, v in vars(config).items()}), parser.dump(namespace)
 
 
-async def _sample_once(config: Config, model: str) -> None:
+async def _play_once(config: Config, model: str) -> None:
     from transformers import AutoTokenizer
 
-    from molt_agents.chat_template import render_prompt_ids
+    import molt_env
     from molt_agents.engines import SamplingParams, make_engine
+    from molt_agents.runner import run_episode
 
+    env = molt_env.make(config.env)
     tokenizer = AutoTokenizer.from_pretrained(model)
     engine = make_engine(config.engine.name, model, dtype=config.engine.dtype,
                          seed=config.seed, max_model_len=config.engine.max_model_len)
     try:
-        messages = [{"role": "user", "content": "What is 12 + 7?"}]
-        prompt_ids = render_prompt_ids(tokenizer, messages)
         params = SamplingParams(temperature=config.rollout.temperature, top_p=config.rollout.top_p,
-                                max_tokens=config.rollout.max_tokens, seed=config.seed,
-                                stop_token_ids=(tokenizer.eos_token_id,))
-        (sample,) = await engine.generate(prompt_ids, params)
+                                max_tokens=config.rollout.max_tokens, seed=config.seed)
+        trajectories = await run_episode(env, engine, tokenizer, params, seed=config.seed,
+                                         max_total_tokens=config.engine.max_model_len)
     finally:
         engine.close()
-    print(f"\nprompt ({len(prompt_ids)} tokens): {messages[0]['content']!r}")
-    print(f"completion ({len(sample.token_ids)} tokens, finish_reason={sample.finish_reason}):")
-    print(repr(tokenizer.decode(sample.token_ids)))
-    print(f"\n{'pos':>4} {'token_id':>8} {'logprob':>10} {'version':>7}  token")
-    for i, (token, logprob, version) in enumerate(zip(sample.token_ids, sample.logprobs, sample.versions)):
-        print(f"{i:>4} {token:>8} {logprob:>10.4f} {version:>7}  {tokenizer.decode([token])!r}")
+    for trajectory in trajectories:
+        molt_env.check(trajectory)
+        first = trajectory.mask.index(1)
+        print(f"\nepisode of {config.env!r}: reward {trajectory.reward}, {trajectory.info['turns']} turn(s), "
+              f"{trajectory.num_tokens} tokens of which {trajectory.num_trainable} sampled")
+        print(f"prompt: {tokenizer.decode(trajectory.token_ids[:first])!r}")
+        print(f"\n{'pos':>4} {'token_id':>8} {'logprob':>10} {'version':>7}  token")
+        for i, (token, mask, logprob, version) in enumerate(
+                zip(trajectory.token_ids, trajectory.mask, trajectory.logprobs, trajectory.versions)):
+            if mask:
+                print(f"{i:>4} {token:>8} {logprob:>10.4f} {version:>7}  {tokenizer.decode([token])!r}")
 
 
 def main(argv: list[str] | None = None) -> None:
     config, resolved = parse_config(sys.argv[1:] if argv is None else argv)
+    import environments  # noqa: F401  (registers the bundled environments' short names)
     from molt_agents.tiny import tiny_model
 
     model = config.model or str(tiny_model("dense"))
     print("# resolved config\n" + resolved + f"# model directory: {model}")
-    print("\nmolt-train: the training loop is not built yet; checking the stack by sampling once.")
-    asyncio.run(_sample_once(config, model))
+    print("\nmolt-train: the training loop is not built yet; checking the stack by playing one episode.")
+    asyncio.run(_play_once(config, model))
 
 
 if __name__ == "__main__":

@@ -38,6 +38,8 @@ class RolloutConfig:
 class Config:
     """A Molt run."""
 
+    env: str = "arithmetic"
+    """Environment: a short name, a Gymnasium id (molt/Name-v0), package.module:Class or path/file.py:Class."""
     model: str | None = None
     """Model directory (Hugging Face format); default: the built-in tiny model."""
     seed: int = 0

@@ -27,7 +27,7 @@ def test_readme_quick_start_is_two_commands_and_ci_runs_the_second():
 
 def test_help_documents_every_flag():
     out = subprocess.run(MOLT_TRAIN + ["--help"], capture_output=True, text=True, check=True).stdout
-    for flag in ["--config", "--model", "--seed", "--engine.name", "--engine.dtype",
+    for flag in ["--config", "--env", "--model", "--seed", "--engine.name", "--engine.dtype",
                  "--engine.max_model_len", "--rollout.temperature", "--rollout.top_p", "--rollout.max_tokens"]:
         assert flag in out, flag
     assert "Engine weight dtype" in out  # field docstrings are the help text
@@ -47,11 +47,26 @@ def test_recipe_and_overrides_resolve():
 
 
 def test_molt_train_samples_with_per_token_logprobs():
-    """The quick start's main job: tiny model into vLLM, one sampled completion, its logprobs."""
+    """The quick start's main job: tiny model into vLLM, one episode, its sampled tokens and logprobs."""
     result = subprocess.run(MOLT_TRAIN + ["--rollout.max_tokens", "6"], capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = re.findall(r"^\s+(\d+)\s+(\d+)\s+(-?\d+\.\d+)\s+(\d+)\s+'", result.stdout, re.M)
     assert len(rows) == 6, result.stdout
     assert all(float(logprob) <= 0 for _, _, logprob, _ in rows)
-    assert "# resolved config" in result.stdout
+    assert "# resolved config" in result.stdout and "episode of 'arithmetic'" in result.stdout
+
+
+def test_molt_train_takes_an_env_from_a_file(tmp_path):
+    path = tmp_path / "task.py"
+    path.write_text("from molt_env import Env\n"
+                    "class Task(Env):\n"
+                    "    def reset(self, *, seed=None, options=None):\n"
+                    "        super().reset(seed=seed)\n"
+                    "        return 'Say hi.', {}\n"
+                    "    def step(self, action):\n"
+                    "        return '', 0.25, True, False, {}\n")
+    result = subprocess.run(MOLT_TRAIN + ["--env", f"{path}:Task", "--rollout.max_tokens", "3",
+                                          "--engine.name", "hf"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "reward 0.25" in result.stdout

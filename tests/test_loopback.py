@@ -300,3 +300,18 @@ def test_concurrent_sessions_batch_in_the_engine(loopback):
     for session in sessions:
         (trajectory,) = loopback.finish(session, reward=0.0)
         check(trajectory)
+
+
+def test_a_failed_request_leaves_the_session_as_it_was(loopback):
+    session = loopback.open_session().id
+    client = _client(loopback, session)
+    messages = [{"role": "user", "content": "First?"}]
+    first = client.chat.completions.create(model="policy", messages=messages, max_tokens=5, seed=0)
+    messages.append(first.choices[0].message.model_dump(exclude_none=True))
+    with pytest.raises(openai.BadRequestError, match="context window"):
+        client.chat.completions.create(model="policy", messages=messages + [{"role": "user", "content": "x" * 5000}])
+    second = client.chat.completions.create(model="policy", messages=messages + [{"role": "user", "content": "Next?"}],
+                                            max_tokens=5, seed=0)
+    (trajectory,) = loopback.finish(session, reward=1.0)  # still one stitched segment
+    assert trajectory.num_trainable == first.usage.completion_tokens + second.usage.completion_tokens
+    assert "x" * 100 not in loopback.tokenizer.decode(trajectory.token_ids)

@@ -172,11 +172,11 @@ class Loopback:
             payload = await self._read_json(request)
             body = protocol.parse(ChatRequest, payload)
             session = self._session(session_id)
+            rendered = render_text(self.tokenizer, body.messages, body.tools)
             async with session.lock:
-                rendered = render_text(self.tokenizer, body.messages, body.tools)
-                base = session.base_for_text(rendered)
-                choices, samples = await self._generate(session, base, body, top=body.top_logprobs or 0)
-            response = self._chat_response(body, base, choices, samples)
+                base, samples = await self._generate(session, lambda: session.base_for_text(rendered), body,
+                                                     top=body.top_logprobs or 0)
+            response = self._chat_response(body, base, samples)
             if body.stream:
                 return StreamingResponse(self._chat_stream(body, response), media_type="text/event-stream")
             return response
@@ -186,14 +186,12 @@ class Loopback:
             payload = await self._read_json(request)
             body = protocol.parse(CompletionRequest, payload)
             session = self._session(session_id)
+            if isinstance(body.prompt, list) and any(t < 0 or t >= len(self.tokenizer) for t in body.prompt):
+                raise APIError(400, "prompt holds token ids outside the vocabulary", param="prompt")
+            find_base = (lambda: session.base_for_text(body.prompt)) if isinstance(body.prompt, str) \
+                else (lambda: session.base_for_ids(body.prompt))
             async with session.lock:
-                if isinstance(body.prompt, str):
-                    base = session.base_for_text(body.prompt)
-                else:
-                    if any(t < 0 or t >= len(self.tokenizer) for t in body.prompt):
-                        raise APIError(400, "prompt holds token ids outside the vocabulary", param="prompt")
-                    base = session.base_for_ids(body.prompt)
-                choices, samples = await self._generate(session, base, body, top=body.logprobs or 0)
+                base, samples = await self._generate(session, find_base, body, top=body.logprobs or 0)
             response = self._completion_response(body, base, samples)
             if body.stream:
                 return StreamingResponse(self._completion_stream(response), media_type="text/event-stream")
@@ -228,7 +226,20 @@ class Loopback:
     # ------------------------------------------------------------------
     # Generation
 
-    async def _generate(self, session: Session, base, body, top: int):
+    async def _generate(self, session: Session, find_base, body, top: int):
+        """Sample for `body` after the segment `find_base()` picks; the session is unchanged on failure."""
+        mark = session.mark()
+        try:
+            base = find_base()
+            samples = await self._sample(session, base, body, top)
+        except BaseException:  # a rejected, failed or abandoned request leaves no trace
+            session.restore(mark)
+            raise
+        for segment, sample in zip(session.choices(base, body.n), samples):
+            segment.append_sample(sample)
+        return base, samples
+
+    async def _sample(self, session: Session, base, body, top: int):
         prompt_len = len(base.token_ids)
         room = self.max_model_len - prompt_len
         if room < 1:
@@ -247,12 +258,7 @@ class Loopback:
             n=body.n,
             top_logprobs=top,
         )
-        prompt = list(base.token_ids)
-        samples = await self.engine.generate(prompt, params)
-        choices = session.choices(base, body.n)
-        for segment, sample in zip(choices, samples):
-            segment.append_sample(sample)
-        return choices, samples
+        return await self.engine.generate(list(base.token_ids), params)
 
     def _reply_text(self, sample, stop: list[str]) -> str:
         """What the client sees: no end-of-turn token, cut before a stop string (the tokens stay whole)."""
@@ -273,7 +279,7 @@ class Loopback:
         return [protocol.token_logprob(self.tokenizer, t, lp, top)
                 for t, lp, top in zip(sample.token_ids, sample.logprobs, tops)]
 
-    def _chat_response(self, body: ChatRequest, base, choices, samples) -> dict:
+    def _chat_response(self, body: ChatRequest, base, samples) -> dict:
         prompt_len = len(base.token_ids) - len(samples[0].token_ids)
         out = []
         for index, sample in enumerate(samples):

@@ -57,6 +57,17 @@ class Session:
         self.open = [base, *forks]
         return self.open
 
+    def mark(self) -> tuple:
+        """A point to `restore` to if a request fails before its samples are appended."""
+        return len(self.segments), list(self.open), [len(s.token_ids) for s in self.open]
+
+    def restore(self, mark: tuple) -> None:
+        count, open_segments, lengths = mark
+        del self.segments[count:]
+        self.open = open_segments
+        for segment, length in zip(open_segments, lengths):
+            segment.truncate(length)
+
     def trajectories(self, reward: float, info: dict | None = None) -> list[Trajectory]:
         kept = [s for s in self.segments if any(s.mask)]
         return [s.to_trajectory(reward=reward, rollout_id=self.rollout_id or self.id, group_id=self.group_id,

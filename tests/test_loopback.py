@@ -83,16 +83,18 @@ def test_async_streaming_and_models(loopback):
         stream = await client.chat.completions.create(
             model=models.data[0].id, messages=[{"role": "user", "content": "Count to three."}],
             max_completion_tokens=10, stream=True, stream_options={"include_usage": True}, seed=1)
-        text, finish, usage = "", None, None
+        text, finish, usage, pieces = "", None, None, 0
         async for chunk in stream:
             if chunk.usage:
                 usage = chunk.usage
             for choice in chunk.choices:
                 text += choice.delta.content or ""
+                pieces += bool(choice.delta.content)
                 finish = choice.finish_reason or finish
-        return text, finish, usage
+        return text, finish, usage, pieces
 
-    text, finish, usage = run(talk())
+    text, finish, usage, pieces = run(talk())
+    assert pieces > 1, "the reply should arrive token by token, not in one piece"
     (trajectory,) = loopback.finish(session, reward=0.5)
     sampled = [t for t, m in zip(trajectory.token_ids, trajectory.mask) if m]
     assert usage.completion_tokens == len(sampled)
@@ -123,9 +125,16 @@ def test_completions_endpoint_stitches_text_prompts(loopback):
     assert len(first.choices[0].logprobs.token_logprobs) <= 6
     second = client.completions.create(model="policy", prompt="The answer is" + first.choices[0].text + " so",
                                        max_tokens=6, seed=2)
+    streamed, third = "", None
+    for chunk in client.completions.create(
+            model="policy", prompt="The answer is" + first.choices[0].text + " so" + second.choices[0].text,
+            max_tokens=6, seed=2, stream=True, stream_options={"include_usage": True}):
+        streamed += "".join(choice.text for choice in chunk.choices)
+        third = chunk.usage or third
     trajectories = loopback.finish(session, reward=0.0)
-    assert len(trajectories) == 1  # the second prompt extended the first: one segment
-    assert trajectories[0].num_trainable == first.usage.completion_tokens + second.usage.completion_tokens
+    assert len(trajectories) == 1  # each prompt extended the last: one segment
+    assert trajectories[0].num_trainable == sum(u.completion_tokens for u in (first.usage, second.usage, third))
+    assert loopback.tokenizer.decode(trajectories[0].token_ids, skip_special_tokens=True).endswith(streamed)
 
 
 def test_sampled_ids_are_kept_when_retokenizing_would_change_them(loopback, dense_dir):
@@ -194,6 +203,25 @@ def test_tool_call_session_is_stitched_and_logprobs_match(loopback, tool_policy,
     assert min(sampled) < -1e-4, "a saturated policy (all logprobs 0) would make this comparison vacuous"
     print(f"tool session: max |engine - transformers| logprob over {trajectory.num_trainable} tokens = {error:.2e}")
     assert error < 1e-4
+
+
+def test_streamed_tool_call(loopback, tool_policy):
+    session = loopback.open_session().id
+    stream = _client(loopback, session).chat.completions.create(
+        model="policy", messages=QUESTION, tools=TOOLS, max_tokens=48, seed=0, stream=True, logprobs=True)
+    content, calls, finish, logprobs = "", {}, None, 0
+    for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for call in choice.delta.tool_calls or []:
+                calls.setdefault(call.index, call)
+            finish = choice.finish_reason or finish
+            logprobs += len(choice.logprobs.content) if choice.logprobs else 0
+    assert "<tool_call>" not in content and finish == "tool_calls"
+    assert calls[0].function.name == "python"
+    assert json.loads(calls[0].function.arguments) == {"code": "print(17 * 23)"}
+    (trajectory,) = loopback.finish(session, reward=1.0)
+    assert logprobs == trajectory.num_trainable
 
 
 def test_rewritten_history_seals_the_segment(loopback):
@@ -274,15 +302,17 @@ def test_auth_unknown_session_and_oversized_body(loopback):
 
 def test_client_disconnecting_mid_stream_leaves_the_server_whole(loopback):
     session = loopback.open_session().id
-    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 16, "stream": True, "n": 2}
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 400, "stream": True, "n": 2}
     headers = {"Authorization": f"Bearer {loopback.api_key}"}
     with httpx.stream("POST", f"http://127.0.0.1:{loopback.port}/s/{session}/v1/chat/completions",
                       json=body, headers=headers) as response:
+        assert response.status_code == 200
         next(response.iter_lines())  # read one event, then hang up
     ok = {"messages": [{"role": "user", "content": "y"}], "max_tokens": 3}
     assert _post(loopback, f"/s/{session}/v1/chat/completions", ok).status_code == 200
-    for trajectory in loopback.finish(session, reward=0.0):
-        check(trajectory)
+    trajectories = loopback.finish(session, reward=0.0)
+    assert len(trajectories) == 1  # the abandoned reply was not captured
+    check(trajectories[0])
 
 
 def test_concurrent_sessions_batch_in_the_engine(loopback):

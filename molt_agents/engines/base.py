@@ -58,8 +58,12 @@ class Engine(Protocol):
 
     version: int  # weight version; bumped by every update_weights
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
-        """Sample `params.n` completions of `prompt_ids`."""
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, on_tokens=None) -> list[Sample]:
+        """Sample `params.n` completions of `prompt_ids`.
+
+        `on_tokens(choice_index, progress)`, if given, is called on the caller's
+        event loop with each step's new tokens (`progress.token_ids`, `.logprobs`).
+        """
 
     async def pause(self) -> None:
         """Stop scheduling new tokens; requests in flight wait, keeping their state."""

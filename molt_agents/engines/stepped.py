@@ -15,6 +15,7 @@ import asyncio
 import queue
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from molt_agents.engines.base import Sample, SamplingParams
@@ -39,6 +40,8 @@ class _Pending:
     future: asyncio.Future
     prompt_len: int
     want_top: bool
+    index: int = 0
+    on_tokens: Callable[[int, Progress], None] | None = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -91,7 +94,9 @@ class SteppedEngine:
     # ------------------------------------------------------------------
     # Public async interface
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       on_tokens: Callable[[int, Progress], None] | None = None) -> list[Sample]:
+        """Sample `params.n` completions; `on_tokens(choice_index, progress)` sees each step's tokens."""
         if not prompt_ids or not all(isinstance(t, int) and t >= 0 for t in prompt_ids):
             raise ValueError("prompt_ids must be a non-empty list of token ids")
         loop = asyncio.get_running_loop()
@@ -100,7 +105,8 @@ class SteppedEngine:
         def submit():
             for index, (request_id, future) in enumerate(requests):
                 self._backend_start(request_id, list(prompt_ids), params, index)
-                self._pending[request_id] = _Pending(loop, future, len(prompt_ids), bool(params.top_logprobs))
+                self._pending[request_id] = _Pending(loop, future, len(prompt_ids), bool(params.top_logprobs),
+                                                     index, on_tokens)
 
         await self._call(submit)
         try:
@@ -191,6 +197,8 @@ class SteppedEngine:
         pending.versions += [self.version] * len(item.token_ids)
         if pending.want_top:
             pending.top_logprobs += item.top_logprobs or [{} for _ in item.token_ids]
+        if pending.on_tokens is not None and item.token_ids:
+            pending.loop.call_soon_threadsafe(pending.on_tokens, pending.index, item)
         if item.finished:
             del self._pending[item.request_id]
             sample = Sample(pending.token_ids, pending.logprobs, pending.versions, item.finish_reason,

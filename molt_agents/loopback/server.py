@@ -31,9 +31,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from molt_agents.chat_template import render_text
 from molt_agents.engines.base import SamplingParams
-from molt_agents.loopback import protocol
+from molt_agents.loopback import protocol, streaming
 from molt_agents.loopback.protocol import APIError, ChatRequest, CompletionRequest
 from molt_agents.loopback.session import Session
+from molt_agents.loopback.streaming import ReplyText
 from molt_agents.tool_calls import parse_reply
 from molt_env.trajectory import Trajectory
 
@@ -169,33 +170,29 @@ class Loopback:
 
         @app.post("/s/{session_id}/v1/chat/completions")
         async def chat_completions(session_id: str, request: Request):
-            payload = await self._read_json(request)
-            body = protocol.parse(ChatRequest, payload)
+            body = protocol.parse(ChatRequest, await self._read_json(request))
             session = self._session(session_id)
             rendered = render_text(self.tokenizer, body.messages, body.tools)
-            async with session.lock:
-                base, samples = await self._generate(session, lambda: session.base_for_text(rendered), body,
-                                                     top=body.top_logprobs or 0)
-            response = self._chat_response(body, base, samples)
+            find_base = lambda: session.base_for_text(rendered)  # noqa: E731
             if body.stream:
-                return StreamingResponse(self._chat_stream(body, response), media_type="text/event-stream")
-            return response
+                return await self._stream(session, find_base, body, top=body.top_logprobs or 0)
+            async with session.lock:
+                base, samples = await self._generate(session, find_base, body, top=body.top_logprobs or 0)
+            return self._chat_response(body, base, samples)
 
         @app.post("/s/{session_id}/v1/completions")
         async def completions(session_id: str, request: Request):
-            payload = await self._read_json(request)
-            body = protocol.parse(CompletionRequest, payload)
+            body = protocol.parse(CompletionRequest, await self._read_json(request))
             session = self._session(session_id)
             if isinstance(body.prompt, list) and any(t < 0 or t >= len(self.tokenizer) for t in body.prompt):
                 raise APIError(400, "prompt holds token ids outside the vocabulary", param="prompt")
             find_base = (lambda: session.base_for_text(body.prompt)) if isinstance(body.prompt, str) \
                 else (lambda: session.base_for_ids(body.prompt))
+            if body.stream:
+                return await self._stream(session, find_base, body, top=body.logprobs or 0)
             async with session.lock:
                 base, samples = await self._generate(session, find_base, body, top=body.logprobs or 0)
-            response = self._completion_response(body, base, samples)
-            if body.stream:
-                return StreamingResponse(self._completion_stream(response), media_type="text/event-stream")
-            return response
+            return self._completion_response(body, base, samples)
 
         @app.post("/s/{session_id}/finish")
         async def finish(session_id: str, request: Request):
@@ -226,12 +223,15 @@ class Loopback:
     # ------------------------------------------------------------------
     # Generation
 
-    async def _generate(self, session: Session, find_base, body, top: int):
-        """Sample for `body` after the segment `find_base()` picks; the session is unchanged on failure."""
+    async def _generate(self, session: Session, find_base, body, top: int, on_start=None, on_tokens=None):
+        """Sample for `body` after the segment `find_base()` picks; the session is unchanged on failure.
+
+        `on_start()` runs once the request is accepted; `on_tokens` sees tokens as they are sampled.
+        """
         mark = session.mark()
         try:
             base = find_base()
-            samples = await self._sample(session, base, body, top)
+            samples = await self._sample(session, base, body, top, on_start, on_tokens)
         except BaseException:  # a rejected, failed or abandoned request leaves no trace
             session.restore(mark)
             raise
@@ -239,7 +239,7 @@ class Loopback:
             segment.append_sample(sample)
         return base, samples
 
-    async def _sample(self, session: Session, base, body, top: int):
+    async def _sample(self, session: Session, base, body, top: int, on_start, on_tokens):
         prompt_len = len(base.token_ids)
         room = self.max_model_len - prompt_len
         if room < 1:
@@ -252,13 +252,19 @@ class Loopback:
             top_p=pick(body.top_p, "top_p", 1.0),
             top_k=max(pick(body.top_k, "top_k", 0), 0),
             max_tokens=min(pick(body.max_new_tokens, "max_tokens", self.default_max_tokens), room),
-            stop=tuple(body.stop_list or defaults.get("stop", ())),
+            stop=tuple(self._stop(session, body)),
             stop_token_ids=(self.tokenizer.eos_token_id,),
             seed=pick(body.seed, "seed", None),
             n=body.n,
             top_logprobs=top,
         )
-        return await self.engine.generate(list(base.token_ids), params)
+        if on_start is not None:
+            on_start()
+        return await self.engine.generate(list(base.token_ids), params, on_tokens=on_tokens)
+
+    @staticmethod
+    def _stop(session: Session, body) -> list[str]:
+        return body.stop_list or list(session.defaults.get("stop", ()))
 
     def _reply_text(self, sample, stop: list[str]) -> str:
         """What the client sees: no end-of-turn token, cut before a stop string (the tokens stay whole)."""
@@ -279,11 +285,11 @@ class Loopback:
         return [protocol.token_logprob(self.tokenizer, t, lp, top)
                 for t, lp, top in zip(sample.token_ids, sample.logprobs, tops)]
 
-    def _chat_response(self, body: ChatRequest, base, samples) -> dict:
+    def _chat_response(self, body: ChatRequest, base, samples, stop: list[str] | None = None) -> dict:
         prompt_len = len(base.token_ids) - len(samples[0].token_ids)
         out = []
         for index, sample in enumerate(samples):
-            text = self._reply_text(sample, body.stop_list)
+            text = self._reply_text(sample, body.stop_list if stop is None else stop)
             content, tool_calls = parse_reply(text) if body.tool_choice != "none" and body.tools else (text, [])
             message = {"role": "assistant", "content": content}
             if tool_calls:
@@ -295,11 +301,11 @@ class Loopback:
         return {"id": protocol.new_id("chatcmpl"), "object": "chat.completion", "created": protocol.now(),
                 "model": self.model_name, "choices": out, "usage": self._usage(prompt_len, samples)}
 
-    def _completion_response(self, body: CompletionRequest, base, samples) -> dict:
+    def _completion_response(self, body: CompletionRequest, base, samples, stop: list[str] | None = None) -> dict:
         prompt_len = len(base.token_ids) - len(samples[0].token_ids)
         out = []
         for index, sample in enumerate(samples):
-            choice = {"index": index, "text": self._reply_text(sample, body.stop_list),
+            choice = {"index": index, "text": self._reply_text(sample, body.stop_list if stop is None else stop),
                       "finish_reason": sample.finish_reason, "logprobs": None}
             if body.logprobs is not None:
                 entries = self._logprobs(sample)
@@ -313,33 +319,94 @@ class Loopback:
                 "model": self.model_name, "choices": out, "usage": self._usage(prompt_len, samples)}
 
     # ------------------------------------------------------------------
-    # Streaming: the reply is sampled in full, then sent as server-sent events.
+    # Streaming
 
-    async def _chat_stream(self, body: ChatRequest, response: dict):
-        base = {"id": response["id"], "object": "chat.completion.chunk", "created": response["created"],
-                "model": response["model"]}
+    async def _stream(self, session: Session, find_base, body, top: int) -> StreamingResponse:
+        """Start sampling; a request rejected before sampling starts is still a plain 4xx."""
+        events: asyncio.Queue = asyncio.Queue()
 
-        def event(choices, **extra):
-            return f"data: {json.dumps({**base, 'choices': choices, **extra})}\n\n"
+        async def produce():
+            async with session.lock:
+                base, samples = await self._generate(
+                    session, find_base, body, top, on_start=lambda: events.put_nowait(("start",)),
+                    on_tokens=lambda index, progress: events.put_nowait(("tokens", index, progress)))
+            events.put_nowait(("done", base, samples))
 
-        for choice in response["choices"]:
-            index, message = choice["index"], choice["message"]
-            yield event([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
-            if message["content"]:
-                logprobs = choice["logprobs"]
-                yield event([{"index": index, "delta": {"content": message["content"]}, "finish_reason": None,
-                              "logprobs": logprobs}])
-            for i, call in enumerate(message.get("tool_calls", [])):
-                yield event([{"index": index, "delta": {"tool_calls": [{"index": i, **call}]},
-                              "finish_reason": None}])
-            yield event([{"index": index, "delta": {}, "finish_reason": choice["finish_reason"]}])
-        if body.include_usage_in_stream:
-            yield event([], usage=response["usage"])
-        yield "data: [DONE]\n\n"
+        def failed(task: asyncio.Task):
+            if not task.cancelled() and task.exception() is not None:
+                events.put_nowait(("error", task.exception()))
 
-    async def _completion_stream(self, response: dict):
-        for choice in response["choices"]:
-            chunk = {**response, "choices": [choice]}
-            chunk.pop("usage")
-            yield f"data: {json.dumps(chunk)}\n\n"
-        yield "data: [DONE]\n\n"
+        task = asyncio.create_task(produce())
+        task.add_done_callback(failed)
+        try:
+            first = await events.get()
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if first[0] == "error":
+            raise first[1]
+        return StreamingResponse(self._events(session, body, events, task), media_type="text/event-stream")
+
+    async def _events(self, session: Session, body, events: asyncio.Queue, task: asyncio.Task):
+        chat = isinstance(body, ChatRequest)
+        stop = self._stop(session, body)
+        replies = [ReplyText(self.tokenizer, stop, tools=chat and bool(body.tools) and body.tool_choice != "none")
+                   for _ in range(body.n)]
+        head = {"id": protocol.new_id("chatcmpl" if chat else "cmpl"),
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": protocol.now(), "model": self.model_name}
+
+        def chunk(choices, **extra):
+            return streaming.event({**head, "choices": choices, **extra})
+
+        def piece(index, text, logprobs=None, finish_reason=None, **delta):
+            if chat:
+                delta = ({"content": text} if text else {}) | delta
+                return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+        try:
+            if chat:
+                yield chunk([piece(i, "", role="assistant") for i in range(body.n)])
+            while True:
+                kind, *rest = await events.get()
+                if kind == "tokens":
+                    index, progress = rest
+                    text = replies[index].feed(progress.token_ids)
+                    logprobs = None
+                    if (body.logprobs if chat else body.logprobs is not None):
+                        entries = self._logprobs(progress)
+                        logprobs = {"content": entries} if chat else {
+                            "tokens": [e["token"] for e in entries],
+                            "token_logprobs": [e["logprob"] for e in entries]}
+                    if text or logprobs:
+                        yield chunk([piece(index, text, logprobs)])
+                elif kind == "error":
+                    error = rest[0]
+                    body_ = error.body() if isinstance(error, APIError) else \
+                        APIError(500, f"generation failed: {error}", type="server_error").body()
+                    yield streaming.event(body_)
+                    break
+                elif kind == "done":
+                    base, samples = rest
+                    final = (self._chat_response if chat else self._completion_response)(body, base, samples, stop)
+                    for choice, reply in zip(final["choices"], replies):
+                        index = choice["index"]
+                        if chat:
+                            rest_text = reply.rest(choice["message"]["content"])
+                            if rest_text:
+                                yield chunk([piece(index, rest_text)])
+                            for i, call in enumerate(choice["message"].get("tool_calls", [])):
+                                yield chunk([piece(index, "", tool_calls=[{"index": i, **call}])])
+                        else:
+                            rest_text = reply.rest(choice["text"])
+                            if rest_text:
+                                yield chunk([piece(index, rest_text)])
+                        yield chunk([piece(index, "", finish_reason=choice["finish_reason"])])
+                    if body.include_usage_in_stream:
+                        yield chunk([], usage=final["usage"])
+                    break
+            yield streaming.DONE
+        finally:
+            if not task.done():  # the client hung up: abort sampling; the session is restored
+                task.cancel()

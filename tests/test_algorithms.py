@@ -1,0 +1,141 @@
+"""Every estimator, loss, KL estimator and importance-sampling mode against hand-computed values."""
+
+import math
+
+import pytest
+import torch
+
+from molt_train.algorithms.advantages import ESTIMATORS, zero_variance_groups
+from molt_train.algorithms.losses import entropy_from_logits, gspo_loss, kl, ppo_clip_loss
+from molt_train.algorithms.off_policy import importance_weights, mismatch, stale_tokens
+
+T = torch.tensor
+# Two groups of two rollouts: rewards 1, 0 | 1, 1.
+REWARDS, GROUPS = T([1.0, 0.0, 1.0, 1.0]), T([0, 0, 1, 1])
+
+
+def approx(values, expected, tol=1e-5):
+    assert torch.allclose(values, T(expected), atol=tol), values
+
+
+def test_grpo_and_gspo():
+    # group 0: mean .5, std .5 -> +1, -1; group 1: std 0 -> 0, 0
+    approx(ESTIMATORS["grpo"](REWARDS, GROUPS), [1.0, -1.0, 0.0, 0.0], 1e-4)
+    approx(ESTIMATORS["gspo"](REWARDS, GROUPS), [1.0, -1.0, 0.0, 0.0], 1e-4)
+
+
+def test_dr_grpo():
+    approx(ESTIMATORS["dr_grpo"](REWARDS, GROUPS), [0.5, -0.5, 0.0, 0.0])
+
+
+def test_rloo():
+    rewards, groups = T([1.0, 0.0, 0.5]), T([0, 0, 0])
+    # 1 - (0 + .5)/2 = .75; 0 - (1 + .5)/2 = -.75; .5 - (1 + 0)/2 = 0
+    approx(ESTIMATORS["rloo"](rewards, groups), [0.75, -0.75, 0.0])
+
+
+def test_reinforce_pp_whitens_over_the_batch():
+    # mean .75, population std sqrt(.1875) = .4330
+    approx(ESTIMATORS["reinforce_pp"](REWARDS, GROUPS), [0.57735, -1.73205, 0.57735, 0.57735], 1e-4)
+    # weighted by lengths 1, 1, 2, 0: mean (1 + 0 + 2)/4 = .75, var (.0625 + .5625 + 2 * .0625)/4 = .1875
+    approx(ESTIMATORS["reinforce_pp"](REWARDS, GROUPS, T([1.0, 1.0, 2.0, 0.0])),
+           [0.57735, -1.73205, 0.57735, 0.57735], 1e-4)
+
+
+def test_reinforce_pp_baseline():
+    # centered: .5, -.5, 0, 0; std around 0 = sqrt((.25 + .25)/4) = .35355
+    approx(ESTIMATORS["reinforce_pp_baseline"](REWARDS, GROUPS), [1.41421, -1.41421, 0.0, 0.0], 1e-4)
+
+
+def test_zero_variance_groups():
+    assert zero_variance_groups(REWARDS, GROUPS).tolist() == [False, False, True, True]
+
+
+def test_ppo_clip_loss_hand_computed():
+    old = T([0.0, 0.0, 0.0, 0.0])
+    new = T([math.log(1.5), math.log(0.5), math.log(1.1), math.log(0.5)])
+    adv = T([1.0, 1.0, -1.0, -1.0])
+    mask = T([1.0, 1.0, 1.0, 1.0])
+    # ratios 1.5, .5, 1.1, .5; clip [.8, 1.28]
+    # A>0: max(-1.5, -1.28) = -1.28; max(-.5, -.8) = -.5
+    # A<0: max(1.1, 1.1) = 1.1;     max(.5, .8) = .8
+    loss, clipped = ppo_clip_loss(new, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    assert loss.item() == pytest.approx(-1.28 - 0.5 + 1.1 + 0.8, abs=1e-5)
+    assert clipped.item() == pytest.approx(0.5)  # tokens 0 and 3
+    # dual clip 1.05 bounds the negative-advantage tokens by 1.05 * |A|: 1.1 -> 1.05
+    loss, _ = ppo_clip_loss(new, old, adv, mask, 0.2, 0.28, dual_clip=1.05)
+    assert loss.item() == pytest.approx(-1.28 - 0.5 + 1.05 + 0.8, abs=1e-5)
+    # masked tokens and importance weights
+    loss, _ = ppo_clip_loss(new, old, adv, T([1.0, 0.0, 0.0, 1.0]), 0.2, 0.28, weights=T([2.0, 1.0, 1.0, 0.5]))
+    assert loss.item() == pytest.approx(-1.28 * 2 + 0.8 * 0.5, abs=1e-5)
+
+
+def test_ppo_gradient_is_the_policy_gradient_at_ratio_one():
+    logprobs = T([-1.0, -2.0], requires_grad=True)
+    loss, _ = ppo_clip_loss(logprobs, logprobs.detach(), T([2.0, -1.0]), T([1.0, 1.0]))
+    loss.backward()
+    approx(logprobs.grad, [-2.0, 1.0])  # -A * d ratio / d logp = -A
+
+
+def test_gspo_uses_the_sequence_geometric_ratio():
+    old = T([0.0, 0.0, 0.0])
+    new = T([0.2, 0.4, -0.1])
+    seq = T([0, 0, 1])
+    adv = T([1.0, 1.0, -1.0])
+    # sequence 0: exp(mean(.2, .4)) = exp(.3) = 1.34986, clipped to 1.0004 -> -1.0004 per token
+    # sequence 1: exp(-.1) = .904837, clipped up to .9997 -> max(.904837, .9997) = .9997
+    loss, _ = gspo_loss(new, old, adv, T([1.0, 1.0, 1.0]), seq)
+    assert loss.item() == pytest.approx(-1.0004 * 2 + 0.9997, abs=1e-5)
+
+
+def test_kl_estimators():
+    logp, ref = T([-1.0]), T([-1.5])  # log r = .5
+    assert kl(logp, ref, "k1").item() == pytest.approx(0.5)
+    assert kl(logp, ref, "k2").item() == pytest.approx(0.125)
+    assert kl(logp, ref, "k3").item() == pytest.approx(math.exp(-0.5) - 1 + 0.5)
+    with pytest.raises(ValueError, match="k4"):
+        kl(logp, ref, "k4")
+
+
+def test_entropy():
+    assert entropy_from_logits(T([[0.0, 0.0]])).item() == pytest.approx(math.log(2))
+
+
+TRAINER = T([-1.0, -1.0, -1.0, -2.0])
+ENGINE = T([-1.5, -0.5, -1.0, -2.0])  # token ratios e^.5, e^-.5, 1, 1
+MASK, SEQ = T([1.0, 1.0, 1.0, 1.0]), T([0, 0, 1, 1])
+
+
+def test_importance_token_level_modes():
+    e5, em5 = math.exp(0.5), math.exp(-0.5)
+    weights, keep = importance_weights(TRAINER, ENGINE, MASK, SEQ, "token", "truncate", high=1.5)
+    approx(weights, [1.5, em5, 1.0, 1.0])
+    assert keep.all()
+    weights, keep = importance_weights(TRAINER, ENGINE, MASK, SEQ, "token", "clip", low=0.7, high=1.5)
+    approx(weights, [1.5, 0.7, 1.0, 1.0])
+    weights, keep = importance_weights(TRAINER, ENGINE, MASK, SEQ, "token", "mask", low=0.7, high=1.5)
+    approx(weights, [0.0, 0.0, 1.0, 1.0])
+    assert keep.tolist() == [False, False, True, True]
+    assert e5 > 1.5 and em5 < 0.7
+
+
+def test_importance_sequence_and_geometric_levels():
+    # sequence 0: log ratios .5 and -.5 -> sum 0, mean 0 -> ratio 1; sequence 1: ratio 1
+    weights, _ = importance_weights(TRAINER, ENGINE, MASK, SEQ, "seq", "mask", low=0.9, high=1.1)
+    approx(weights, [1.0, 1.0, 1.0, 1.0])
+    engine = T([-1.5, -1.5, -1.0, -2.0])  # sequence 0: log ratios .5, .5 -> seq e^1, geo e^.5
+    weights, _ = importance_weights(TRAINER, engine, MASK, SEQ, "seq", "truncate", high=10.0)
+    approx(weights, [math.e, math.e, 1.0, 1.0])
+    weights, keep = importance_weights(TRAINER, engine, MASK, SEQ, "geo", "mask", low=0.5, high=1.5)
+    approx(weights, [0.0, 0.0, 1.0, 1.0])
+    assert keep.tolist() == [False, False, True, True]
+    with pytest.raises(ValueError, match="level"):
+        importance_weights(TRAINER, engine, MASK, SEQ, "word", "mask")
+
+
+def test_staleness_and_mismatch():
+    versions, mask = T([-1, 3, 5, 6]), T([0, 1, 1, 1])
+    assert stale_tokens(versions, mask, current_version=6, max_staleness=1).tolist() == [False, True, False, False]
+    stats = mismatch(TRAINER, ENGINE, MASK)
+    assert stats["max_abs"] == pytest.approx(0.5)
+    assert stats["kl"] == pytest.approx(((math.exp(0.5) - 1.5) + (math.exp(-0.5) - 0.5)) / 4)

@@ -5,6 +5,7 @@ Each is a small task built on molt_env and molt_agents only.
 
 from molt_env import register
 
-DEFAULT_ENV = "arithmetic"
+DEFAULT_ENV = "digit"
 
+register("digit", "environments.digit:Digit")
 register("arithmetic", "environments.arithmetic:Arithmetic")

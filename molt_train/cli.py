@@ -1,19 +1,18 @@
-"""`molt-train`: parse the config tree, print it resolved, run.
+"""`molt-train`: parse and validate the config tree, set up the run directory, run the loop.
 
-The training loop lands with the trainer issue. Until then a run checks the
-stack end to end: it loads the model into the rollout engine, plays one
-episode of the environment and prints every sampled token with its logprob
-and weight version, the facts the trainer will consume.
+`molt-train` alone trains the built-in tiny chat model on the default
+environment on this machine's CPU; every flag is in `molt-train --help`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import sys
+import time
+from pathlib import Path
 
 from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
 
-from molt_train.config import Config
+from molt_train.config import Config, ConfigError, validate
 
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
@@ -39,46 +38,37 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config, str]:
     return Config(**{k: v for k, v in vars(config).items()}), parser.dump(namespace)
 
 
-async def _play_once(config: Config, model: str) -> None:
-    from transformers import AutoTokenizer
+def _model_dir(config: Config) -> str:
+    from molt_agents.tiny import tiny_model
 
-    import molt_env
-    from molt_agents.engines import SamplingParams, make_engine
-    from molt_agents.runner import run_episode
-
-    env = molt_env.make(config.env)
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    engine = make_engine(config.engine.name, model, dtype=config.engine.dtype,
-                         seed=config.seed, max_model_len=config.engine.max_model_len)
-    try:
-        params = SamplingParams(temperature=config.rollout.temperature, top_p=config.rollout.top_p,
-                                max_tokens=config.rollout.max_tokens, seed=config.seed)
-        trajectories = await run_episode(env, engine, tokenizer, params, seed=config.seed,
-                                         max_total_tokens=config.engine.max_model_len)
-    finally:
-        engine.close()
-    for trajectory in trajectories:
-        molt_env.check(trajectory)
-        first = trajectory.mask.index(1)
-        print(f"\nepisode of {config.env!r}: reward {trajectory.reward}, {trajectory.info['turns']} turn(s), "
-              f"{trajectory.num_tokens} tokens of which {trajectory.num_trainable} sampled")
-        print(f"prompt: {tokenizer.decode(trajectory.token_ids[:first])!r}")
-        print(f"\n{'pos':>4} {'token_id':>8} {'logprob':>10} {'version':>7}  token")
-        for i, (token, mask, logprob, version) in enumerate(
-                zip(trajectory.token_ids, trajectory.mask, trajectory.logprobs, trajectory.versions)):
-            if mask:
-                print(f"{i:>4} {token:>8} {logprob:>10.4f} {version:>7}  {tokenizer.decode([token])!r}")
+    if config.model is None:
+        return str(tiny_model("chat"))
+    if config.model.startswith("tiny:"):  # tiny:dense, tiny:moe, tiny:chat
+        return str(tiny_model(config.model.split(":", 1)[1]))
+    return config.model
 
 
 def main(argv: list[str] | None = None) -> None:
     config, resolved = parse_config(sys.argv[1:] if argv is None else argv)
-    import environments  # noqa: F401  (registers the bundled environments' short names)
-    from molt_agents.tiny import tiny_model
+    try:
+        validate(config)
+        import environments  # noqa: F401  (registers the bundled environments' short names)
+        import molt_env
 
-    model = config.model or str(tiny_model("dense"))
-    print("# resolved config\n" + resolved + f"# model directory: {model}")
-    print("\nmolt-train: the training loop is not built yet; checking the stack by playing one episode.")
-    asyncio.run(_play_once(config, model))
+        molt_env.make(config.env)  # fail now, not inside a worker, on a bad --env
+    except (ConfigError, ValueError) as error:
+        sys.exit(f"molt-train: {error}")
+    model_dir = _model_dir(config)
+    run_dir = Path(config.out or f"runs/{Path(config.env.split(':')[-1]).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if run_dir.exists() and not config.resume and any(run_dir.glob("checkpoints/step_*")):
+        sys.exit(f"molt-train: {run_dir} already holds a run; pass --resume to continue it or a new --out")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(resolved)
+    print("# resolved config\n" + resolved + f"# model: {model_dir}\n# run directory: {run_dir}", flush=True)
+
+    from molt_train.loop import run
+
+    run(config, run_dir, model_dir)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The typed config tree of a run: defaults here, a YAML recipe, then CLI overrides.
 
-Every field is a flag (`--engine.dtype bfloat16`); the docstring comment under a
-field is its `--help` text. `molt-train --help` lists them all.
+Every field is a flag (`--engine.dtype bfloat16`); the docstring under a
+field is its `--help` text. `validate` rejects unsupported combinations
+before any work starts, naming the flag.
 """
 
 from __future__ import annotations
@@ -18,31 +19,180 @@ class EngineConfig:
     """Engine backend: vllm, or hf (the transformers fallback)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Engine weight dtype."""
-    max_model_len: int = 4096
+    max_model_len: int = 1024
     """Longest sequence (prompt + completion) the engine accepts, in tokens."""
+    workers: int = 1
+    """Rollout worker actors, each with its own engine."""
 
 
 @dataclass
 class RolloutConfig:
     """Sampling during rollouts."""
 
+    group_size: int = 8
+    """Samples per prompt (n): one group, for group baselines."""
+    groups_per_step: int = 8
+    """Prompt groups per optimizer step."""
     temperature: float = 1.0
     """Sampling temperature."""
     top_p: float = 1.0
     """Nucleus sampling mass."""
-    max_tokens: int = 32
+    max_tokens: int = 16
     """Most tokens sampled per turn."""
+    max_total_tokens: int = 512
+    """Token budget of a whole episode (prompt, turns and replies)."""
+    partial_rollout: bool = True
+    """Requests in flight continue under new weights after a sync; off, they finish on the old ones first."""
+
+
+@dataclass
+class TrainConfig:
+    """The optimizer and the training step."""
+
+    lr: float = 2e-3
+    """Learning rate (AdamW)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    warmup_steps: int = 0
+    """Linear learning-rate warmup, in optimizer steps."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this."""
+    micro_batch_tokens: int = 4096
+    """Token budget of one packed micro-batch (gradient accumulation over micro-batches)."""
+    updates_per_batch: int = 1
+    """Optimizer steps per batch of rollouts (PPO epochs over mini-batches)."""
+    async_queue_size: int = 8
+    """Finished groups that may wait for the trainer; 0 = synchronous, strictly on-policy."""
+
+
+@dataclass
+class AlgoConfig:
+    """The RL algorithm."""
+
+    estimator: Literal["reinforce_pp", "reinforce_pp_baseline", "grpo", "dr_grpo", "rloo", "gspo"] = "reinforce_pp"
+    """Advantage estimator."""
+    clip_low: float = 0.2
+    """PPO clip below 1 (GSPO: use about 3e-4)."""
+    clip_high: float = 0.28
+    """PPO clip above 1 (asymmetric clip-higher; GSPO: about 4e-4)."""
+    dual_clip: float | None = None
+    """Dual-clip bound for negative advantages (e.g. 3.0); off when null."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the frozen initial policy; 0 = no reference model."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight."""
+    max_staleness: int = 4
+    """Samples from more than this many policy versions ago are handled by staleness_mode."""
+    staleness_mode: Literal["drop", "mask"] = "drop"
+    """drop the whole rollout, or mask only its stale tokens."""
+    is_level: Literal["token", "seq", "geo"] = "token"
+    """Importance-sampling ratio between trainer and engine logprobs: per token, sequence or geometric mean."""
+    is_mode: Literal["mask", "clip", "truncate"] = "truncate"
+    """mask: drop outside [is_low, is_high]; clip: clamp into it; truncate: cap at is_high."""
+    is_low: float = 0.0
+    """Lower edge of the importance-sampling band."""
+    is_high: float = 2.0
+    """Upper edge of the importance-sampling band."""
+    filter_zero_variance: bool = True
+    """Drop groups whose rewards are all equal (no learning signal)."""
+
+
+@dataclass
+class ActorConfig:
+    """The policy trainer group."""
+
+    world_size: int = 1
+    """FSDP2 ranks (gloo on CPU, NCCL on GPU)."""
+    backend: Literal["fsdp2", "automodel"] = "fsdp2"
+    """Sharding: torch fully_shard, or NeMo AutoModel's parallelizer."""
+
+
+@dataclass
+class RayConfig:
+    """The Ray runtime."""
+
+    address: str | None = None
+    """Join this Ray cluster (e.g. auto or ray://host:10001); default: a local Ray."""
+    num_cpus: int | None = None
+    """CPUs for a local Ray (default: all)."""
+
+
+@dataclass
+class CkptConfig:
+    """Checkpoints under RUN_DIR/checkpoints/."""
+
+    every: int = 50
+    """Save every this many steps (and at the end); 0 = only at the end."""
+    keep: int = 2
+    """Checkpoints kept (oldest deleted)."""
+
+
+@dataclass
+class LogConfig:
+    """Metrics and plots."""
+
+    tensorboard: bool = True
+    """Write TensorBoard events under RUN_DIR/tensorboard."""
+    wandb: bool = False
+    """Log to Weights & Biases (needs wandb installed and logged in)."""
+    plot_every: int = 0
+    """Write the PNG plots every this many steps (0 = only at the end)."""
 
 
 @dataclass
 class Config:
     """A Molt run."""
 
-    env: str = "arithmetic"
+    env: str = "digit"
     """Environment: a short name, a Gymnasium id (molt/Name-v0), package.module:Class or path/file.py:Class."""
     model: str | None = None
-    """Model directory (Hugging Face format); default: the built-in tiny model."""
+    """Model directory (Hugging Face format); default: the built-in tiny chat model."""
+    steps: int = 60
+    """Optimizer steps to run."""
+    out: str | None = None
+    """Run directory (default: runs/<env>-<time>)."""
+    resume: bool = False
+    """Continue the run in --out from its latest checkpoint."""
     seed: int = 0
-    """Random seed for sampling and initialisation."""
+    """Random seed for data order, sampling and initialisation."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def validate(config: Config) -> None:
+    """Reject values and combinations that cannot run, naming the flag."""
+    def need(ok: bool, flag: str, why: str):
+        if not ok:
+            raise ConfigError(f"--{flag}: {why}")
+
+    need(config.steps >= 1, "steps", "must be >= 1")
+    need(config.rollout.group_size >= 1, "rollout.group_size", "must be >= 1")
+    need(config.rollout.groups_per_step >= 1, "rollout.groups_per_step", "must be >= 1")
+    need(config.rollout.max_tokens >= 1, "rollout.max_tokens", "must be >= 1")
+    need(config.rollout.max_total_tokens <= config.engine.max_model_len, "rollout.max_total_tokens",
+         f"must fit the engine's context (--engine.max_model_len {config.engine.max_model_len})")
+    need(0 < config.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
+    need(config.train.lr > 0, "train.lr", "must be > 0")
+    need(config.train.async_queue_size >= 0, "train.async_queue_size", "must be >= 0")
+    need(config.train.updates_per_batch >= 1, "train.updates_per_batch", "must be >= 1")
+    need(config.actor.world_size >= 1, "actor.world_size", "must be >= 1")
+    need(config.algo.max_staleness >= 0, "algo.max_staleness", "must be >= 0")
+    need(config.algo.is_low <= config.algo.is_high, "algo.is_low", "must be <= --algo.is_high")
+    need(config.ckpt.every >= 0, "ckpt.every", "must be >= 0")
+    need(config.engine.workers >= 1, "engine.workers", "must be >= 1")
+    need(not (config.rollout.group_size == 1 and config.algo.estimator in ("grpo", "dr_grpo", "rloo", "gspo",
+                                                                          "reinforce_pp_baseline")),
+         "algo.estimator", f"{config.algo.estimator} needs --rollout.group_size >= 2 for its group baseline")
+    need(not (config.resume and config.out is None), "resume", "needs --out RUN_DIR of the run to continue")

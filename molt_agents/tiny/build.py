@@ -28,7 +28,7 @@ from molt_agents.tiny.tokenizer import build_tokenizer
 # Bump when the builder's output changes for the same parameters.
 BUILDER_VERSION = 1
 
-KINDS = ("dense", "moe")
+KINDS = ("dense", "moe", "chat")  # chat: dense plus a short warm start (reply with a digit, end the turn)
 
 DEFAULTS = {
     "vocab_size": 1024,
@@ -64,7 +64,7 @@ def _config(kind: str, p: dict, tokenizer):
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    if kind == "dense":
+    if kind in ("dense", "chat"):
         from transformers import Qwen3Config
 
         return Qwen3Config(intermediate_size=p["intermediate_size"], **common)
@@ -108,6 +108,11 @@ def build_tiny(kind: str, out: str | Path, **sizes) -> Path:
     config = _config(kind, p, tokenizer)
     torch.manual_seed(p["seed"])
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if kind == "chat":
+        from molt_agents.tiny.warm_start import warm_start
+
+        with _single_thread():  # bit-identical across runs
+            warm_start(model, tokenizer, seed=p["seed"])
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
@@ -159,6 +164,18 @@ def tiny_model(kind: str = "dense", **sizes) -> Path:
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+@contextlib.contextmanager
+def _single_thread():
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,178 @@
+"""One rank of the policy trainer: a sharded transformers model and its optimizer.
+
+Every rank of the group runs the same calls on its own share of the
+micro-batches: `logprobs` (no grad: the proximal policy's logprobs, the
+reference model's, the trainer-vs-engine mismatch), then `train` (one or more
+optimizer steps, gradient accumulation over micro-batches, token-level loss
+normalisation over the whole step, gradient clipping). Rank 0 hands the full
+weights to the weight sync and writes checkpoints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from molt_train.actor import fsdp
+from molt_train.algorithms.losses import entropy_from_logits, gspo_loss, kl, ppo_clip_loss
+from molt_train.algorithms.off_policy import importance_weights
+from molt_train.packing import MicroBatch
+
+
+@dataclass
+class TrainSettings:
+    lr: float
+    weight_decay: float
+    grad_clip: float
+    warmup_steps: int
+    estimator: str
+    clip_low: float
+    clip_high: float
+    dual_clip: float | None
+    kl_coef: float
+    kl_estimator: str
+    entropy_coef: float
+    is_level: str
+    is_mode: str
+    is_low: float
+    is_high: float
+
+
+def token_logprobs(model, mb: MicroBatch, with_entropy: bool = False):
+    """Logprob of every token given the ones before it in its sequence ([N]; 0 at sequence starts)."""
+    out = model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None], use_cache=False)
+    logits = out.logits[0, :-1].float()
+    targets = mb.input_ids[1:]
+    logprobs = torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0]
+    starts = mb.position_ids[1:] == 0  # the first token of a packed sequence has no prediction
+    logprobs = torch.cat([logprobs.new_zeros(1), torch.where(starts, torch.zeros_like(logprobs), logprobs)])
+    if not with_entropy:
+        return logprobs, None
+    entropy = torch.cat([logits.new_zeros(1), entropy_from_logits(logits)])
+    return logprobs, entropy
+
+
+class PolicyRank:
+    def __init__(self, model_dir: str, rank: int, world_size: int, init_method: str, settings: TrainSettings,
+                 seed: int = 0, backend: str = "fsdp2", with_reference: bool = False):
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        self.rank, self.world_size, self.settings = rank, world_size, settings
+        self.device = fsdp.init_process_group(rank, world_size, init_method)
+        self.model = self._shard(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), backend)
+        self.reference = None
+        if with_reference:
+            self.reference = self._shard(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), backend)
+            self.reference.requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr,
+                                           weight_decay=settings.weight_decay)
+        warmup = max(settings.warmup_steps, 1)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: min(1.0, (step + 1) / warmup))
+
+    def _shard(self, model, backend):
+        if backend == "automodel":
+            from molt_train.actor import automodel
+
+            return automodel.shard_model(model, data_parallel=self.world_size)
+        return fsdp.shard_model(model)
+
+    # ------------------------------------------------------------------
+
+    def step(self, micro_batches: list[MicroBatch], step_tokens: int, updates: int = 1) -> dict:
+        """One batch: recompute logprobs, measure the engine mismatch, train. Statistics are sums."""
+        prepared = self.logprobs(micro_batches)
+        trainer = torch.cat([p["old"] for p in prepared])
+        engine = torch.cat([mb.engine_logprobs for mb in micro_batches])
+        mask = torch.cat([mb.mask for mb in micro_batches]).bool()
+        delta = (trainer - engine)[mask]
+        stats = self.train(micro_batches, prepared, step_tokens, updates)
+        stats["mismatch_kl_sum"] = float((torch.exp(delta) - 1 - delta).sum())
+        stats["mismatch_max"] = float(delta.abs().max()) if delta.numel() else 0.0
+        stats["tokens"] = int(mask.sum())
+        return stats
+
+    @torch.no_grad()
+    def logprobs(self, micro_batches: list[MicroBatch]) -> list[dict]:
+        """Per micro-batch: the current policy's and the reference's token logprobs."""
+        self.model.eval()
+        out = []
+        for mb in micro_batches:
+            current, _ = token_logprobs(self.model, mb)
+            reference = token_logprobs(self.reference, mb)[0] if self.reference is not None else None
+            out.append({"old": current, "ref": reference})
+        return out
+
+    def train(self, micro_batches: list[MicroBatch], prepared: list[dict], step_tokens: int,
+              updates: int = 1) -> dict:
+        """`updates` optimizer steps over the micro-batches (split evenly); returns summed statistics."""
+        s = self.settings
+        self.model.train()
+        chunks = [micro_batches[i::updates] for i in range(updates)]
+        chunk_prep = [prepared[i::updates] for i in range(updates)]
+        stats = {"loss": 0.0, "clip_frac": 0.0, "entropy": 0.0, "kl": 0.0, "grad_norm": 0.0, "is_kept": 0.0}
+        for chunk, prep in zip(chunks, chunk_prep):
+            # Token-level aggregation over the optimizer step; FSDP averages over ranks, so scale back up.
+            scale = self.world_size * updates / max(step_tokens, 1)
+            for mb, p in zip(chunk, prep):
+                logprobs, entropy = token_logprobs(self.model, mb, with_entropy=s.entropy_coef > 0)
+                weights, keep = importance_weights(p["old"], mb.engine_logprobs, mb.mask, mb.sequence,
+                                                   s.is_level, s.is_mode, s.is_low, s.is_high)
+                mask = mb.mask * keep
+                if s.estimator == "gspo":
+                    loss, clipped = gspo_loss(logprobs, p["old"], mb.advantages, mask, mb.sequence,
+                                              s.clip_low, s.clip_high, weights)
+                else:
+                    loss, clipped = ppo_clip_loss(logprobs, p["old"], mb.advantages, mask,
+                                                  s.clip_low, s.clip_high, s.dual_clip, weights)
+                if s.kl_coef > 0 and p["ref"] is not None:
+                    kl_sum = (kl(logprobs, p["ref"], s.kl_estimator) * mask).sum()
+                    loss = loss + s.kl_coef * kl_sum
+                    stats["kl"] += float(kl_sum)
+                if entropy is not None:
+                    entropy_sum = (entropy * mask).sum()
+                    loss = loss - s.entropy_coef * entropy_sum
+                    stats["entropy"] += float(entropy_sum)
+                (loss * scale).backward()
+                stats["loss"] += float(loss.detach())
+                stats["clip_frac"] += float(clipped) * float(mask.sum())
+                stats["is_kept"] += float(mask.sum())
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip)
+            stats["grad_norm"] += float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm) / updates
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return stats
+
+    # ------------------------------------------------------------------
+
+    def full_weights(self) -> dict[str, torch.Tensor] | None:
+        """The unsharded weights, on rank 0 (a collective: every rank calls it)."""
+        state = fsdp.full_state_dict(self.model)
+        return {k: v.detach().cpu().clone() for k, v in state.items()} if self.rank == 0 else None
+
+    def save(self, directory: str) -> None:
+        """Policy in Hugging Face format and the optimizer and scheduler state (rank 0 writes)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        directory = Path(directory)
+        weights = self.full_weights()
+        optimizer = get_optimizer_state_dict(self.model, self.optimizer,
+                                             options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            self.model.save_pretrained(directory / "policy", state_dict=weights)
+            torch.save({"optimizer": optimizer, "scheduler": self.scheduler.state_dict()}, directory / "optimizer.pt")
+        torch.distributed.barrier()
+
+    def load_optimizer(self, directory: str) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        state = torch.load(Path(directory) / "optimizer.pt", weights_only=False)
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
+                                 options=StateDictOptions(full_state_dict=True))
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def close(self) -> None:
+        fsdp.destroy_process_group()

@@ -1,0 +1,46 @@
+"""Checkpoints: `RUN_DIR/checkpoints/step_NNNNNN/` holds everything a resume needs.
+
+    policy/          the policy in Hugging Face format with its tokenizer (transformers and vLLM load it)
+    optimizer.pt     optimizer and scheduler state
+    loop_state.json  step, policy version, data position, RNG seed
+
+A checkpoint is written under a temporary name and renamed when complete, so
+a run killed mid-save (kill -9 included) resumes from the previous one.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                   "generation_config.json")
+
+
+def latest(run_dir: Path) -> Path | None:
+    root = run_dir / "checkpoints"
+    done = sorted(p for p in root.glob("step_*") if (p / "loop_state.json").exists()) if root.exists() else []
+    return done[-1] if done else None
+
+
+async def save(trainer, run_dir: Path, model_dir: str, state: dict, keep: int) -> Path:
+    root = run_dir / "checkpoints"
+    final = root / f"step_{state['step']:06d}"
+    partial = root / f".partial_{state['step']:06d}"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    await trainer.save(str(partial))
+    for name in TOKENIZER_FILES:
+        if (Path(model_dir) / name).exists():
+            shutil.copy(Path(model_dir) / name, partial / "policy" / name)
+    (partial / "loop_state.json").write_text(json.dumps(state, indent=2))
+    shutil.rmtree(final, ignore_errors=True)
+    partial.rename(final)
+    for old in sorted(p for p in root.glob("step_*"))[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_state(checkpoint: Path) -> dict:
+    return json.loads((checkpoint / "loop_state.json").read_text())

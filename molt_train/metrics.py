@@ -1,0 +1,89 @@
+"""Run observability: metrics.jsonl, TensorBoard, W&B, PNG plots.
+
+One JSON object per optimizer step in `RUN_DIR/metrics.jsonl` (after a resume,
+steps already logged are not logged again); the same scalars go to
+TensorBoard (and W&B when enabled); `plot` draws reward, lengths and timings
+from the JSON lines into `RUN_DIR/plots/`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class Metrics:
+    def __init__(self, run_dir: Path, config, resume_step: int = 0):
+        self.run_dir = run_dir
+        self.path = run_dir / "metrics.jsonl"
+        if self.path.exists():  # keep only the steps the checkpoint covers
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] < resume_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        self.tensorboard = None
+        if config.log.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step)
+        self.wandb = None
+        if config.log.wandb:
+            import wandb  # optional: pip install wandb
+
+            self.wandb = wandb.init(project="molt", dir=str(run_dir), config=_plain(config), resume="allow")
+
+    def log(self, step: int, values: dict) -> None:
+        record = {"step": step, **values}
+        with self.path.open("a") as out:
+            out.write(json.dumps(record) + "\n")
+        scalars = {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self.tensorboard is not None:
+            for key, value in scalars.items():
+                self.tensorboard.add_scalar(key, value, step)
+            self.tensorboard.flush()
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _plain(config) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(config)
+
+
+PANELS = [
+    ("reward", ["reward/mean"]),
+    ("response length (tokens)", ["response_len/mean"]),
+    ("seconds per step", ["time/generate", "time/wait", "time/train", "time/sync"]),
+    ("trainer vs engine", ["mismatch/kl", "is/filtered_frac"]),
+]
+
+
+def plot(run_dir: Path) -> Path:
+    """Draw the run's curves from metrics.jsonl into RUN_DIR/plots/metrics.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    figure, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 3.6))
+    for axis, (title, keys) in zip(axes, PANELS):
+        for key in keys:
+            points = [(r["step"], r[key]) for r in records if key in r]
+            if points:
+                axis.plot(*zip(*points), label=key)
+        axis.set_title(title)
+        axis.set_xlabel("step")
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    out = run_dir / "plots" / "metrics.png"
+    out.parent.mkdir(exist_ok=True)
+    figure.savefig(out, dpi=90)
+    plt.close(figure)
+    return out

@@ -1,0 +1,82 @@
+"""Sequence packing: trajectories into micro-batches with no padding.
+
+A micro-batch is one row: the trajectories' tokens concatenated, with
+`position_ids` restarting at 0 for each; transformers turns restarting
+positions into a block-diagonal causal mask, so no sequence attends to
+another and no compute goes to padding. Micro-batches are filled up to a
+token budget, and dealt to the trainer ranks in equal numbers (FSDP ranks
+must run the same number of forward/backward passes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor  # [N] long
+    position_ids: torch.Tensor  # [N] long, restarting per sequence
+    sequence: torch.Tensor  # [N] long, index of the sequence in this micro-batch
+    mask: torch.Tensor  # [N] float, 1 where the token is trained
+    advantages: torch.Tensor  # [N] float
+    engine_logprobs: torch.Tensor  # [N] float, 0 where not sampled
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+
+def pack(items: list[dict], token_budget: int) -> list[MicroBatch]:
+    """Pack `items` (dicts with token_ids, mask, advantage, logprobs) into micro-batches.
+
+    Greedy in the given order; a sequence longer than the budget gets a micro-batch of its own.
+    """
+    groups, current, used = [], [], 0
+    for item in items:
+        n = len(item["token_ids"])
+        if current and used + n > token_budget:
+            groups.append(current)
+            current, used = [], 0
+        current.append(item)
+        used += n
+    if current:
+        groups.append(current)
+    return [_micro_batch(group) for group in groups]
+
+
+def _micro_batch(items: list[dict]) -> MicroBatch:
+    ids, positions, sequence, mask, advantages, logprobs = [], [], [], [], [], []
+    for index, item in enumerate(items):
+        n = len(item["token_ids"])
+        ids += item["token_ids"]
+        positions += range(n)
+        sequence += [index] * n
+        mask += item["mask"]
+        advantages += [float(item["advantage"])] * n
+        logprobs += [0.0 if lp is None else lp for lp in item["logprobs"]]
+    return MicroBatch(torch.tensor(ids), torch.tensor(positions), torch.tensor(sequence),
+                      torch.tensor(mask, dtype=torch.float32), torch.tensor(advantages, dtype=torch.float32),
+                      torch.tensor(logprobs, dtype=torch.float32))
+
+
+def empty_micro_batch() -> MicroBatch:
+    """A one-token micro-batch that trains nothing, to even out the ranks' counts."""
+    return _micro_batch([{"token_ids": [0], "mask": [0], "advantage": 0.0, "logprobs": [None]}])
+
+
+def deal(micro_batches: list[MicroBatch], world_size: int) -> list[list[MicroBatch]]:
+    """Give each rank the same number of micro-batches, balancing tokens (largest first)."""
+    ordered = sorted(micro_batches, key=lambda mb: -mb.num_tokens)
+    while len(ordered) % world_size:
+        ordered.append(empty_micro_batch())
+    shares: list[list[MicroBatch]] = [[] for _ in range(world_size)]
+    loads = [0] * world_size
+    per_rank = len(ordered) // world_size
+    for mb in ordered:
+        rank = min((r for r in range(world_size) if len(shares[r]) < per_rank), key=lambda r: loads[r])
+        shares[rank].append(mb)
+        loads[rank] += mb.num_tokens
+    return shares

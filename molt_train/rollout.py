@@ -1,0 +1,146 @@
+"""Rollout workers (Ray actors) and the stream of finished groups they feed.
+
+A worker hosts one engine and plays episodes with the env runner; a group is
+`group_size` episodes of the same prompt (the same environment seed). The
+`GroupStream` keeps groups in flight across the workers and hands finished
+ones to the trainer through a bounded queue: with `async_queue_size = 0` it
+only generates what the next step consumes (synchronous, on-policy); above
+0 generation runs ahead of training by up to that many groups.
+
+An environment that raises costs its episode, not the run: the group comes
+back without it and the failure is counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import traceback
+
+from molt_agents.engines.base import SamplingParams
+
+
+class RolloutWorker:
+    """One engine and the episodes it plays (run as a Ray actor)."""
+
+    def __init__(self, model_dir: str, env: str, engine: dict, sampling: dict, max_total_tokens: int,
+                 seed: int = 0, version: int = 0):
+        import environments  # noqa: F401  (registers the bundled environments)
+        from transformers import AutoTokenizer
+
+        from molt_agents.engines import make_engine
+
+        self.env_spec, self.max_total_tokens = env, max_total_tokens
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.engine = make_engine(engine["name"], model_dir, dtype=engine["dtype"], seed=seed,
+                                  max_model_len=engine["max_model_len"])
+        self.engine.version = version  # a resumed run continues the version count
+        self.params = SamplingParams(**sampling)
+        self.in_flight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.admitting = asyncio.Event()
+        self.admitting.set()
+
+    async def group(self, group_index: int, env_seed: int, size: int) -> dict:
+        """Play `size` episodes of the environment seeded `env_seed`; trajectories as dicts."""
+        started = time.perf_counter()
+        episodes = await asyncio.gather(*(self._episode(group_index, env_seed, i) for i in range(size)))
+        trajectories, failures = [], []
+        for result in episodes:
+            if isinstance(result, str):
+                failures.append(result)
+            else:
+                trajectories += [t.to_dict() for t in result]
+        return {"group_index": group_index, "trajectories": trajectories, "failures": failures,
+                "seconds": time.perf_counter() - started}
+
+    async def _episode(self, group_index: int, env_seed: int, index: int):
+        import molt_env
+        from molt_agents.runner import run_episode
+
+        await self.admitting.wait()
+        self.in_flight += 1
+        self.idle.clear()
+        try:
+            env = molt_env.make(self.env_spec)
+            seed = None if self.params.seed is None else self.params.seed + 7919 * group_index + index
+            return await run_episode(env, self.engine, self.tokenizer, dataclasses.replace(self.params, seed=seed),
+                                     max_total_tokens=self.max_total_tokens, seed=env_seed,
+                                     rollout_id=f"{group_index}-{index}", group_id=str(group_index))
+        except Exception as error:  # the environment's fault: drop this episode only
+            return f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=3)}"
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self.idle.set()
+
+    async def update_weights(self, weights: dict, partial_rollout: bool) -> int:
+        """Load new weights. With partial rollout, requests in flight continue under them;
+        without, new episodes wait while those in flight finish on the old weights."""
+        if partial_rollout:
+            await self.engine.pause()
+            try:
+                return await self.engine.update_weights(list(weights.items()))
+            finally:
+                await self.engine.resume()
+        self.admitting.clear()
+        try:
+            await self.idle.wait()
+            return await self.engine.update_weights(list(weights.items()))
+        finally:
+            self.admitting.set()
+
+    def version(self) -> int:
+        return self.engine.version
+
+
+class GroupStream:
+    """Finished groups from the workers, in completion order, with a bounded look-ahead."""
+
+    def __init__(self, workers, group_size: int, groups_per_step: int, queue_size: int, seed: int,
+                 next_index: int = 0, redo: list[int] | None = None):
+        self.workers, self.group_size = workers, group_size
+        self.groups_per_step, self.queue_size, self.seed = groups_per_step, queue_size, seed
+        self.next_index = next_index
+        self.redo = sorted(redo or ())  # groups started but not trained before a resume
+        self.in_flight: dict[asyncio.Future, int] = {}
+        self.done: list[dict] = []
+        self._turn = 0
+
+    def env_seed(self, index: int) -> int:
+        return self.seed * 1_000_003 + index
+
+    def _submit(self) -> None:
+        if self.redo:
+            index = self.redo.pop(0)
+        else:
+            index, self.next_index = self.next_index, self.next_index + 1
+        worker = self.workers[self._turn % len(self.workers)]
+        self._turn += 1
+        ref = worker.group.remote(index, self.env_seed(index), self.group_size)
+        self.in_flight[asyncio.ensure_future(ref)] = index
+
+    def fill(self) -> None:
+        """Keep groups in flight: this step's, plus the look-ahead in async mode."""
+        while len(self.in_flight) + len(self.done) < self.groups_per_step + self.queue_size:
+            self._submit()
+
+    async def take(self) -> list[dict]:
+        """The next step's groups (waits for them); starts the groups that replace them."""
+        self.fill()
+        while len(self.done) < self.groups_per_step:
+            finished, _ = await asyncio.wait(list(self.in_flight), return_when=asyncio.FIRST_COMPLETED)
+            for future in finished:
+                del self.in_flight[future]
+                self.done.append(future.result())
+        batch, self.done = self.done[: self.groups_per_step], self.done[self.groups_per_step:]
+        if self.queue_size:
+            self.fill()  # async: the next groups generate while this step trains
+        return batch
+
+    def position(self) -> dict:
+        """The data position for a checkpoint: groups started but not trained are redone on resume."""
+        pending = set(self.in_flight.values()) | {g["group_index"] for g in self.done} | set(self.redo)
+        return {"next_index": self.next_index, "redo": sorted(pending)}

@@ -29,7 +29,10 @@ def assemble(groups: list[dict], version: int, algo) -> tuple[list[dict], dict]:
                 invalid[reason] += 1
             else:
                 trajectories.append(trajectory)
-    stats["episodes/failed"] = sum(len(group["failures"]) for group in groups)
+    failures = [f for group in groups for f in group["failures"]]
+    stats["episodes/failed"] = len(failures)
+    if failures:
+        stats["episodes/failure_example"] = failures[0]
     for reason, count in invalid.items():
         stats[f"invalid/{reason}"] = count
 

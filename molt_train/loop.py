@@ -32,12 +32,17 @@ async def train(config, run_dir: Path, model_dir: str) -> None:
     step, version = state["step"], state["version"]
     try:
         progress = _progress_bar(config.steps, step)
+        reported: set[str] = set()  # failure messages already shown
         while step < config.steps:
             started = time.perf_counter()
             groups = await runtime.groups.take()
             waited = time.perf_counter() - started
 
             items, stats = assemble(groups, version, config.algo)
+            example = stats.pop("episodes/failure_example", None)
+            if example and example.splitlines()[0] not in reported:
+                reported.add(example.splitlines()[0])
+                progress.write(f"molt-train: step {step + 1}: an episode failed and was dropped:\n{example}")
             started = time.perf_counter()
             if items:
                 result = await runtime.trainer.step(items)

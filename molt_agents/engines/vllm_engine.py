@@ -47,6 +47,9 @@ class VLLMEngine(SteppedEngine):
             max_model_len=max_model_len,
             distributed_executor_backend="uni",
             enforce_eager=not torch.cuda.is_available(),
+            # On CPU, a seeded request whose prefill is split across steps crashes vLLM
+            # ("CPU Generator does not use offset"); whole prefills avoid it.
+            enable_chunked_prefill=torch.cuda.is_available(),
             logprobs_mode="processed_logprobs",
             disable_log_stats=True,
         )

@@ -20,7 +20,9 @@ from molt_agents.tiny.tokenizer import _corpus_lines
 def warm_start(model, tokenizer, steps: int = 150, batch: int = 32, lr: float = 3e-3, seed: int = 0) -> None:
     """Train `model` in place on chat turns `user: <corpus line> / assistant: <digit>`."""
     rng = random.Random(seed)
-    prompts = [line for line in _corpus_lines(seed + 1, 2000) if "\n" not in line][:1000]
+    # Prompts without digits: the model learns the reply format, not to ignore digits it reads.
+    prompts = [line for line in _corpus_lines(seed + 1, 4000)
+               if "\n" not in line and not any(c.isdigit() for c in line)][:1000]
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()

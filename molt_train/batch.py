@@ -77,7 +77,7 @@ def assemble(groups: list[dict], version: int, algo) -> tuple[list[dict], dict]:
         flat = zero_variance_groups(rewards, groups_index)
         stats["filter/zero_variance_frac"] = float(flat.float().mean())
         keep &= ~flat
-    items = []
+    items, trained_ages, mixed = [], [], 0
     for i, r in enumerate(ids):
         if not keep[i]:
             continue
@@ -85,6 +85,12 @@ def assemble(groups: list[dict], version: int, algo) -> tuple[list[dict], dict]:
             if any(trajectory.mask):
                 items.append({"token_ids": trajectory.token_ids, "mask": trajectory.mask,
                               "logprobs": trajectory.logprobs, "advantage": float(advantages[i])})
+                sampled_by = {v for v, m in zip(trajectory.versions, trajectory.mask) if m}
+                trained_ages += [version - v for v in sampled_by]
+                mixed += len(sampled_by) > 1  # partial rollout: weights changed mid-sequence
     stats["tokens/trained"] = sum(sum(item["mask"]) for item in items)
     stats["rollouts/trained"] = int(keep.sum())
+    stats["staleness/trained_max"] = max(trained_ages, default=0)
+    stats["versions/mixed_trajectories"] = mixed
+    stats["data/groups"] = sorted(group["group_index"] for group in groups)
     return items, stats

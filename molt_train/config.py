@@ -31,7 +31,7 @@ class RolloutConfig:
 
     group_size: int = 8
     """Samples per prompt (n): one group, for group baselines."""
-    groups_per_step: int = 8
+    groups_per_step: int = 16
     """Prompt groups per optimizer step."""
     temperature: float = 1.0
     """Sampling temperature."""
@@ -57,11 +57,11 @@ class TrainConfig:
     """Linear learning-rate warmup, in optimizer steps."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this."""
-    micro_batch_tokens: int = 4096
+    micro_batch_tokens: int = 1024
     """Token budget of one packed micro-batch (gradient accumulation over micro-batches)."""
     updates_per_batch: int = 1
     """Optimizer steps per batch of rollouts (PPO epochs over mini-batches)."""
-    async_queue_size: int = 8
+    async_queue_size: int = 16
     """Finished groups that may wait for the trainer; 0 = synchronous, strictly on-policy."""
 
 
@@ -77,7 +77,7 @@ class AlgoConfig:
     """PPO clip above 1 (asymmetric clip-higher; GSPO: about 4e-4)."""
     dual_clip: float | None = None
     """Dual-clip bound for negative advantages (e.g. 3.0); off when null."""
-    kl_coef: float = 0.0
+    kl_coef: float = 0.1
     """Weight of the KL penalty to the frozen initial policy; 0 = no reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator."""
@@ -95,8 +95,8 @@ class AlgoConfig:
     """Lower edge of the importance-sampling band."""
     is_high: float = 2.0
     """Upper edge of the importance-sampling band."""
-    filter_zero_variance: bool = True
-    """Drop groups whose rewards are all equal (no learning signal)."""
+    filter_zero_variance: bool = False
+    """Drop groups whose rewards are all equal (DAPO's dynamic sampling; for group-baseline estimators)."""
 
 
 @dataclass
@@ -149,7 +149,7 @@ class Config:
     """Environment: a short name, a Gymnasium id (molt/Name-v0), package.module:Class or path/file.py:Class."""
     model: str | None = None
     """Model directory (Hugging Face format); default: the built-in tiny chat model."""
-    steps: int = 60
+    steps: int = 200
     """Optimizer steps to run."""
     out: str | None = None
     """Run directory (default: runs/<env>-<time>)."""

@@ -45,8 +45,9 @@ async def train(config, run_dir: Path, model_dir: str) -> None:
                 progress.write(f"molt-train: step {step + 1}: an episode failed and was dropped:\n{example}")
             started = time.perf_counter()
             if items:
-                result = await runtime.trainer.step(items)
-                stats |= _train_stats(result)
+                stats |= _train_stats(await runtime.trainer.step(items))
+            else:  # every group filtered or dropped: nothing to learn from this step
+                stats |= dict.fromkeys(TRAIN_KEYS)
             trained = time.perf_counter() - started
 
             started = time.perf_counter()
@@ -72,6 +73,10 @@ async def train(config, run_dir: Path, model_dir: str) -> None:
         metrics.close()
         await runtime.close()
     print(f"plots: {plot(run_dir)}")
+
+
+TRAIN_KEYS = ("loss", "clip_frac", "entropy", "kl", "grad_norm", "mismatch/kl", "mismatch/max_abs",
+              "is/filtered_frac")
 
 
 def _train_stats(result: dict) -> dict:

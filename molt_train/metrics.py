@@ -18,13 +18,13 @@ class Metrics:
         self.path = run_dir / "metrics.jsonl"
         if self.path.exists():  # keep only the steps the checkpoint covers
             kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] < resume_step]
+                    if line.strip() and json.loads(line)["step"] <= resume_step]
             self.path.write_text("".join(line + "\n" for line in kept))
         self.tensorboard = None
         if config.log.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step)
+            self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step + 1)
         self.wandb = None
         if config.log.wandb:
             import wandb  # optional: pip install wandb
@@ -75,7 +75,7 @@ def plot(run_dir: Path) -> Path:
     figure, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 3.6))
     for axis, (title, keys) in zip(axes, PANELS):
         for key in keys:
-            points = [(r["step"], r[key]) for r in records if key in r]
+            points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
             if points:
                 axis.plot(*zip(*points), label=key)
         axis.set_title(title)

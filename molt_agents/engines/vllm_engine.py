@@ -56,6 +56,7 @@ class VLLMEngine(SteppedEngine):
         args.update(engine_args)
         self._engine = LLMEngine.from_engine_args(EngineArgs(**args))
         self._top: dict[str, int] = {}  # request id -> top logprobs asked for
+        self._stale_prefix_cache = False
         super().__init__()
 
     def _backend_start(self, request_id, prompt_ids, params: SamplingParams, index):
@@ -78,6 +79,8 @@ class VLLMEngine(SteppedEngine):
         self._top[request_id] = params.top_logprobs
 
     def _backend_step(self) -> list[Progress]:
+        if self._stale_prefix_cache:  # retry until no request holds blocks computed by old weights
+            self._stale_prefix_cache = not self._engine.reset_prefix_cache()
         progress = []
         for output in self._engine.step():
             completion = output.outputs[0]
@@ -107,7 +110,9 @@ class VLLMEngine(SteppedEngine):
 
     def _backend_reload(self, named_tensors):
         self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
-        self._engine.reset_prefix_cache()  # cached KV was computed by the old weights
+        # Cached KV was computed by the old weights. vLLM cannot drop blocks that requests in
+        # flight still use (partial rollout); retry before each step until it can.
+        self._stale_prefix_cache = not self._engine.reset_prefix_cache()
 
     def _backend_close(self):
         self._engine.engine_core.shutdown()

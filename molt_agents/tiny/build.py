@@ -26,7 +26,7 @@ from pathlib import Path
 from molt_agents.tiny.tokenizer import build_tokenizer
 
 # Bump when the builder's output changes for the same parameters.
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2
 
 KINDS = ("dense", "moe", "chat")  # chat: dense plus a short warm start (reply with a digit, end the turn)
 

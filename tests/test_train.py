@@ -1,0 +1,128 @@
+"""`molt-train` end to end on CPU: real Ray, real vLLM rollout workers, real FSDP2 trainer ranks.
+
+Each run is the real command in a subprocess, joined to this test session's
+one Ray instance with `--ray.address`; the assertions read the run directory.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+MOLT_TRAIN = [sys.executable, "-m", "molt_train.cli"]
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+def _train(out, ray_address, *flags, timeout=600):
+    args = MOLT_TRAIN + ["--out", str(out), "--ray.address", ray_address, "--log.tensorboard", "false",
+                         "--rollout.groups_per_step", "4", "--rollout.group_size", "4", *flags]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return _metrics(out)
+
+
+def _metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def test_synchronous_mode_is_on_policy(tmp_path, ray_address):
+    out = tmp_path / "sync"
+    rows = _train(out, ray_address, "--steps", "3", "--train.async_queue_size", "0")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["staleness/max"] == 0 for r in rows)
+    # Same weights, same tokens: the trainer's packed recompute equals the engine's logprobs.
+    assert all(r["mismatch/max_abs"] < 1e-4 for r in rows if r["tokens/trained"])
+    for key in ["reward/mean", "reward/std", "response_len/mean", "tokens/trained", "staleness/mean",
+                "is/filtered_frac", "mismatch/kl", "time/generate", "time/train", "time/sync", "time/wait",
+                "throughput/tokens_per_s"]:
+        assert key in rows[-1], key
+    assert (out / "config.yaml").exists() and (out / "plots" / "metrics.png").exists()
+    assert (out / "checkpoints" / "step_000003" / "policy" / "model.safetensors").exists()
+
+
+def test_async_partial_rollout_mixes_versions_within_the_staleness_bound(tmp_path, ray_address):
+    # An untrained model never ends its turn: long replies span weight syncs.
+    rows = _train(tmp_path / "async", ray_address, "--model", "tiny:dense", "--steps", "5",
+                  "--rollout.max_tokens", "48", "--train.async_queue_size", "8", "--algo.max_staleness", "1",
+                  "--algo.filter_zero_variance", "false")
+    assert sum(r["versions/mixed_trajectories"] for r in rows) > 0, "no trajectory carried two versions"
+    assert max(r["staleness/trained_max"] for r in rows) <= 1
+    for r in rows:  # older samples existed only if they were dropped
+        assert r["staleness/max"] <= 1 or r["staleness/dropped_rollouts"] > 0
+
+
+def test_partial_rollout_off_finishes_requests_on_the_old_weights(tmp_path, ray_address):
+    rows = _train(tmp_path / "no-partial", ray_address, "--model", "tiny:dense", "--steps", "4",
+                  "--rollout.max_tokens", "48", "--train.async_queue_size", "8", "--rollout.partial_rollout",
+                  "false", "--algo.filter_zero_variance", "false")
+    assert sum(r["versions/mixed_trajectories"] for r in rows) == 0
+    assert sum(r["tokens/trained"] for r in rows) > 0
+
+
+def test_two_rank_fsdp2_trainer_and_its_checkpoint_loads_in_vllm(tmp_path, ray_address, vllm_engines):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "fsdp2"
+    rows = _train(out, ray_address, "--steps", "2", "--actor.world_size", "2", "--train.async_queue_size", "0")
+    assert len(rows) == 2 and all(r["mismatch/max_abs"] < 1e-4 for r in rows if r["tokens/trained"])
+    policy = out / "checkpoints" / "step_000002" / "policy"
+    AutoModelForCausalLM.from_pretrained(policy)
+    from conftest import run
+
+    from molt_agents.engines import SamplingParams
+
+    (sample,) = run(vllm_engines.get(policy, max_model_len=256).generate([1, 2, 3], SamplingParams(max_tokens=3)))
+    assert len(sample.token_ids) >= 1
+
+
+def test_resume_after_kill_continues_steps_and_data(tmp_path, ray_address):
+    out = tmp_path / "killed"
+    args = MOLT_TRAIN + ["--out", str(out), "--ray.address", ray_address, "--log.tensorboard", "false",
+                         "--rollout.groups_per_step", "4", "--rollout.group_size", "4", "--steps", "200",
+                         "--ckpt.every", "2", "--train.async_queue_size", "4"]
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while not (out / "checkpoints" / "step_000004" / "loop_state.json").exists():
+        assert time.time() < deadline and process.poll() is None, "the run did not reach step 4"
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGKILL)  # kill -9, mid-run
+    process.wait()
+    before = _metrics(out)
+    checkpoint = max(int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*"))
+    trained_before = {g for r in before if r["step"] <= checkpoint for g in r["data/groups"]}
+
+    rows = _train(out, ray_address, "--resume", "true", "--steps", str(checkpoint + 3), "--ckpt.every", "2",
+                  "--train.async_queue_size", "4")
+    steps = [r["step"] for r in rows]
+    assert steps == list(range(1, checkpoint + 4)), steps  # continued, nothing logged twice
+    trained_after = [g for r in rows if r["step"] > checkpoint for g in r["data/groups"]]
+    assert not set(trained_after) & trained_before, "a group trained before the checkpoint was trained again"
+    assert min(trained_after) >= 0 and len(trained_after) == 3 * 4
+    state = json.loads((out / "checkpoints" / f"step_{checkpoint + 3:06d}" / "loop_state.json").read_text())
+    assert state["step"] == checkpoint + 3 and state["version"] >= checkpoint + 3 - 1
+
+
+def test_env_from_a_file_with_the_transformers_engine(tmp_path, ray_address):
+    path = tmp_path / "task.py"
+    path.write_text("from molt_env import Env\n"
+                    "class Task(Env):\n"
+                    "    def reset(self, *, seed=None, options=None):\n"
+                    "        super().reset(seed=seed)\n"
+                    "        return 'Say hi.', {}\n"
+                    "    def step(self, action):\n"
+                    "        return '', float('hi' in action), True, False, {}\n")
+    rows = _train(tmp_path / "file-env", ray_address, "--env", f"{path}:Task", "--steps", "1",
+                  "--engine.name", "hf", "--rollout.max_tokens", "4")
+    assert rows[0]["step"] == 1 and rows[0]["episodes/failed"] == 0

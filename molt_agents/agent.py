@@ -33,6 +33,7 @@ class AgentContext:
     sampling: dict = field(default_factory=dict)  # defaults the loopback applies to unset parameters
     task: dict = field(default_factory=dict)  # task data (e.g. the expected answer) for computing reward
     session_id: str = ""
+    env: Any = None  # the task's environment when there is one: `ctx.env.step(answer)` scores an answer
 
 
 @dataclass
@@ -50,12 +51,12 @@ class ChatAgent:
 
 async def run_agent(agent: ChatAgent, loopback, *, messages: list[dict], tools: list[dict] | None = None,
                     sampling: dict | None = None, task: dict | None = None, rollout_id: str = "",
-                    group_id: str = "") -> list[Trajectory]:
+                    group_id: str = "", env=None) -> list[Trajectory]:
     """Run `agent` once in a fresh loopback session; returns the session's segments with the reward."""
     session = loopback.open_session(rollout_id=rollout_id, group_id=group_id, defaults=sampling)
     ctx = AgentContext(base_url=loopback.base_url(session.id), api_key=loopback.api_key,
                        model=loopback.model_name, messages=list(messages), tools=tools,
-                       sampling=dict(sampling or {}), task=dict(task or {}), session_id=session.id)
+                       sampling=dict(sampling or {}), task=dict(task or {}), session_id=session.id, env=env)
     if inspect.iscoroutinefunction(agent.run):
         result = await agent.run(ctx)
     else:  # a blocking agent (sync openai client) runs in a worker thread

@@ -43,29 +43,35 @@ def registered() -> dict[str, str]:
     return dict(_SHORT_NAMES)
 
 
-def _load_class(spec: str):
+def load_class(spec: str):
+    """The class named by `package.module:Class` or `path/to/file.py:Class`."""
     target, _, attribute = spec.rpartition(":")
+    if not target or not attribute:
+        raise ValueError(f"{spec!r}: expected package.module:Class or path/to/file.py:Class")
     if target.endswith(".py"):
         path = Path(target)
         if not path.is_file():
-            raise ValueError(f"--env {spec!r}: no file {path}")
-        module_name = f"molt_user_env_{abs(hash(str(path.resolve())))}"
+            raise ValueError(f"{spec!r}: no file {path}")
+        module_name = f"molt_user_{abs(hash(str(path.resolve())))}"
         loader_spec = importlib.util.spec_from_file_location(module_name, path)
         module = importlib.util.module_from_spec(loader_spec)
         sys.modules[module_name] = module
         loader_spec.loader.exec_module(module)
     else:
-        module = importlib.import_module(target)
+        try:
+            module = importlib.import_module(target)
+        except ImportError as error:
+            raise ValueError(f"{spec!r}: cannot import {target} ({error})") from None
     try:
         return getattr(module, attribute)
     except AttributeError:
-        raise ValueError(f"--env {spec!r}: {target} has no attribute {attribute!r}") from None
+        raise ValueError(f"{spec!r}: {target} has no attribute {attribute!r}") from None
 
 
 def make(spec: str, **kwargs):
     """Instantiate the environment named by `spec` (see the module docstring)."""
     if ":" in spec and not spec.startswith("molt/"):
-        return _load_class(spec)(**kwargs)
+        return load_class(spec)(**kwargs)
     env_id = _SHORT_NAMES.get(spec, spec)
     try:
         # The plain environment: the runner enforces turn limits itself and

@@ -6,6 +6,7 @@ environment on this machine's CPU; every flag is in `molt-train --help`.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -29,10 +30,31 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
+def _bool_flags(cls=Config, prefix: str = "") -> set[str]:
+    flags = set()
+    for f in dataclasses.fields(cls):
+        if f.type == "bool":
+            flags.add(f"--{prefix}{f.name}")
+        elif dataclasses.is_dataclass(f.default_factory if callable(f.default_factory) else None):
+            flags |= _bool_flags(f.default_factory, f"{prefix}{f.name}.")
+    return flags
+
+
+def _bare_booleans(argv: list[str]) -> list[str]:
+    """`--resume` alone means `--resume true`, for every boolean flag."""
+    flags, out = _bool_flags(), []
+    for i, arg in enumerate(argv):
+        out.append(arg)
+        following = argv[i + 1].lower() if i + 1 < len(argv) else ""
+        if arg in flags and following not in ("true", "false", "yes", "no", "1", "0"):
+            out.append("true")
+    return out
+
+
 def parse_config(argv: list[str] | None = None) -> tuple[Config, str]:
     """The validated `Config` and its YAML dump (what the run directory keeps)."""
     parser = build_parser()
-    namespace = parser.parse_args(argv)
+    namespace = parser.parse_args(_bare_booleans(list(sys.argv[1:] if argv is None else argv)))
     namespace.pop("config", None)
     config = parser.instantiate(namespace)
     return Config(**{k: v for k, v in vars(config).items()}), parser.dump(namespace)
@@ -55,7 +77,11 @@ def main(argv: list[str] | None = None) -> None:
         import environments  # noqa: F401  (registers the bundled environments' short names)
         import molt_env
 
-        molt_env.make(config.env)  # fail now, not inside a worker, on a bad --env
+        molt_env.make(config.env)  # fail now, not inside a worker, on a bad --env or --agent
+        if config.agent is not None:
+            from molt_env.registry import load_class
+
+            load_class(config.agent)
     except (ConfigError, ValueError) as error:
         sys.exit(f"molt-train: {error}")
     model_dir = _model_dir(config)

@@ -81,6 +81,8 @@ class AlgoConfig:
     """Weight of the KL penalty to the frozen initial policy; 0 = no reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator."""
+    kl_in_reward: bool = False
+    """Apply the KL penalty as a per-token reward (REINFORCE++) instead of a loss term."""
     entropy_coef: float = 0.0
     """Entropy bonus weight."""
     max_staleness: int = 4
@@ -147,6 +149,9 @@ class Config:
 
     env: str = "digit"
     """Environment: a short name, a Gymnasium id (molt/Name-v0), package.module:Class or path/file.py:Class."""
+    agent: str | None = None
+    """A ChatAgent class (package.module:Class or path/file.py:Class) that plays each episode through the
+    loopback with the openai client; default: the env runner plays it."""
     model: str | None = None
     """Model directory (Hugging Face format); default: the built-in tiny chat model."""
     steps: int = 200

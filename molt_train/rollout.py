@@ -25,7 +25,7 @@ class RolloutWorker:
     """One engine and the episodes it plays (run as a Ray actor)."""
 
     def __init__(self, model_dir: str, env: str, engine: dict, sampling: dict, max_total_tokens: int,
-                 seed: int = 0, version: int = 0):
+                 seed: int = 0, version: int = 0, agent: str | None = None):
         import environments  # noqa: F401  (registers the bundled environments)
         from transformers import AutoTokenizer
 
@@ -37,6 +37,14 @@ class RolloutWorker:
                                   max_model_len=engine["max_model_len"])
         self.engine.version = version  # a resumed run continues the version count
         self.params = SamplingParams(**sampling)
+        self.agent, self.loopback, self.serving = None, None, None
+        if agent is not None:  # episodes are played by the user's agent through the loopback
+            from molt_agents.loopback import Loopback
+            from molt_env.registry import load_class
+
+            self.agent = load_class(agent)()
+            self.loopback = Loopback(self.engine, self.tokenizer, max_model_len=engine["max_model_len"],
+                                     default_max_tokens=self.params.max_tokens)
         self.in_flight = 0
         self.idle = asyncio.Event()
         self.idle.set()
@@ -66,7 +74,10 @@ class RolloutWorker:
         try:
             env = molt_env.make(self.env_spec)
             seed = None if self.params.seed is None else self.params.seed + 7919 * group_index + index
-            return await run_episode(env, self.engine, self.tokenizer, dataclasses.replace(self.params, seed=seed),
+            params = dataclasses.replace(self.params, seed=seed)
+            if self.agent is not None:
+                return await self._agent_episode(env, params, env_seed, f"{group_index}-{index}", str(group_index))
+            return await run_episode(env, self.engine, self.tokenizer, params,
                                      max_total_tokens=self.max_total_tokens, seed=env_seed,
                                      rollout_id=f"{group_index}-{index}", group_id=str(group_index))
         except Exception as error:  # the environment's fault: drop this episode only
@@ -75,6 +86,23 @@ class RolloutWorker:
             self.in_flight -= 1
             if self.in_flight == 0:
                 self.idle.set()
+
+    async def _agent_episode(self, env, params: SamplingParams, env_seed: int, rollout_id: str, group_id: str):
+        from molt_agents.agent import run_agent
+        from molt_env.spaces import as_messages
+
+        if self.serving is None:  # serve on this actor's event loop, once
+            self.serving = asyncio.ensure_future(self.loopback.serve())
+        while not self.loopback.started:
+            if self.serving.done():
+                raise RuntimeError(f"the loopback could not start on port {self.loopback.port}")
+            await asyncio.sleep(0.01)
+        observation, info = await env.areset(seed=env_seed)
+        sampling = {"temperature": params.temperature, "top_p": params.top_p, "max_tokens": params.max_tokens,
+                    "seed": params.seed}
+        return await run_agent(self.agent, self.loopback, messages=as_messages(observation),
+                               tools=getattr(env, "tools", None), sampling=sampling, task=info,
+                               rollout_id=rollout_id, group_id=group_id, env=env)
 
     async def update_weights(self, weights: dict, partial_rollout: bool) -> int:
         """Load new weights. With partial rollout, requests in flight continue under them;

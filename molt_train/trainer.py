@@ -28,7 +28,7 @@ class TrainerGroup:
             lr=train.lr, weight_decay=train.weight_decay, grad_clip=train.grad_clip,
             warmup_steps=train.warmup_steps, estimator=algo.estimator, clip_low=algo.clip_low,
             clip_high=algo.clip_high, dual_clip=algo.dual_clip, kl_coef=algo.kl_coef,
-            kl_estimator=algo.kl_estimator, entropy_coef=algo.entropy_coef, is_level=algo.is_level,
+            kl_estimator=algo.kl_estimator, kl_in_reward=algo.kl_in_reward, entropy_coef=algo.entropy_coef, is_level=algo.is_level,
             is_mode=algo.is_mode, is_low=algo.is_low, is_high=algo.is_high)
         self.world_size = config.actor.world_size
         self.micro_batch_tokens, self.updates = train.micro_batch_tokens, train.updates_per_batch

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from molt_train.algorithms.advantages import ESTIMATORS, zero_variance_groups
+from molt_train.algorithms.advantages import ESTIMATORS, kl_penalized_advantages, zero_variance_groups
 from molt_train.algorithms.losses import entropy_from_logits, gspo_loss, kl, ppo_clip_loss
 from molt_train.algorithms.off_policy import importance_weights, mismatch, stale_tokens
 
@@ -139,3 +139,13 @@ def test_staleness_and_mismatch():
     stats = mismatch(TRAINER, ENGINE, MASK)
     assert stats["max_abs"] == pytest.approx(0.5)
     assert stats["kl"] == pytest.approx(((math.exp(0.5) - 1.5) + (math.exp(-0.5) - 0.5)) / 4)
+
+
+def test_kl_as_reward_subtracts_the_kl_still_to_come():
+    advantages = T([1.0, 1.0, 1.0, -1.0, -1.0])
+    kl_values = T([9.0, 1.0, 2.0, 9.0, 3.0])
+    mask = T([0.0, 1.0, 1.0, 0.0, 1.0])
+    sequence = T([0, 0, 0, 1, 1])
+    # masked kl 0, 1, 2 | 0, 3 -> to come: 3, 3, 2 | 3, 3
+    approx(kl_penalized_advantages(advantages, kl_values, mask, sequence, beta=0.5),
+           [1 - 1.5, 1 - 1.5, 1 - 1.0, -1 - 1.5, -1 - 1.5])

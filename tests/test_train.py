@@ -103,7 +103,7 @@ def test_resume_after_kill_continues_steps_and_data(tmp_path, ray_address):
     checkpoint = max(int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*"))
     trained_before = {g for r in before if r["step"] <= checkpoint for g in r["data/groups"]}
 
-    rows = _train(out, ray_address, "--resume", "true", "--steps", str(checkpoint + 3), "--ckpt.every", "2",
+    rows = _train(out, ray_address, "--resume", "--steps", str(checkpoint + 3), "--ckpt.every", "2",
                   "--train.async_queue_size", "4")
     steps = [r["step"] for r in rows]
     assert steps == list(range(1, checkpoint + 4)), steps  # continued, nothing logged twice
@@ -124,5 +124,21 @@ def test_env_from_a_file_with_the_transformers_engine(tmp_path, ray_address):
                     "    def step(self, action):\n"
                     "        return '', float('hi' in action), True, False, {}\n")
     rows = _train(tmp_path / "file-env", ray_address, "--env", f"{path}:Task", "--steps", "1",
-                  "--engine.name", "hf", "--rollout.max_tokens", "4")
+                  "--engine.name", "hf", "--rollout.max_tokens", "4", "--algo.kl_in_reward")
     assert rows[0]["step"] == 1 and rows[0]["episodes/failed"] == 0
+
+
+def test_a_chat_agent_plays_the_episodes_through_the_loopback(tmp_path, ray_address):
+    path = tmp_path / "agent.py"
+    path.write_text("import openai\n"
+                    "from molt_agents.agent import ChatAgent\n"
+                    "class Solver(ChatAgent):\n"
+                    "    async def run(self, ctx):\n"
+                    "        client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key)\n"
+                    "        reply = await client.chat.completions.create(model=ctx.model, messages=ctx.messages)\n"
+                    "        return ctx.env.step(reply.choices[0].message.content)[1]\n")
+    rows = _train(tmp_path / "agent-run", ray_address, "--agent", f"{path}:Solver", "--steps", "2",
+                  "--train.async_queue_size", "0")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["episodes/failed"] == 0 and r["tokens/trained"] > 0 for r in rows)
+    assert all(r["mismatch/max_abs"] < 1e-4 for r in rows)  # loopback capture is token-exact

@@ -110,23 +110,31 @@ class Loopback:
         """Serve on the running event loop until `stop()`."""
         import uvicorn
 
+        self._pick_port()
         config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning",
                                 lifespan="off", timeout_graceful_shutdown=1)
         self._server = uvicorn.Server(config)
         await self._server.serve()
 
-    def start(self) -> Loopback:
-        """Serve from a background thread; returns once the port is listening."""
+    def _pick_port(self) -> None:
         import socket
 
-        if self.port == 0:  # pick the free port now so base URLs are known before serving
+        if self.port == 0:  # pick a free port now, so base URLs are known before serving
             with socket.socket() as probe:
                 probe.bind((self.host, 0))
                 self.port = probe.getsockname()[1]
+
+    @property
+    def started(self) -> bool:
+        return self._server is not None and self._server.started
+
+    def start(self) -> Loopback:
+        """Serve from a background thread; returns once the port is listening."""
+        self._pick_port()
         self._thread = threading.Thread(target=lambda: asyncio.run(self.serve()), daemon=True,
                                         name="molt-loopback")
         self._thread.start()
-        while self._server is None or not self._server.started:
+        while not self.started:
             if not self._thread.is_alive():
                 raise RuntimeError(f"the loopback failed to start on {self.host}:{self.port}")
             threading.Event().wait(0.02)

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from molt_train.actor import fsdp
+from molt_train.algorithms.advantages import kl_penalized_advantages
 from molt_train.algorithms.losses import entropy_from_logits, gspo_loss, kl, ppo_clip_loss
 from molt_train.algorithms.off_policy import importance_weights
 from molt_train.packing import MicroBatch
@@ -33,6 +34,7 @@ class TrainSettings:
     dual_clip: float | None
     kl_coef: float
     kl_estimator: str
+    kl_in_reward: bool
     entropy_coef: float
     is_level: str
     is_mode: str
@@ -121,20 +123,25 @@ class PolicyRank:
                 weights, keep = importance_weights(p["old"], mb.engine_logprobs, mb.mask, mb.sequence,
                                                    s.is_level, s.is_mode, s.is_low, s.is_high)
                 mask = mb.mask * keep
+                advantages = mb.advantages
+                if s.kl_coef > 0 and s.kl_in_reward and p["ref"] is not None:
+                    advantages = kl_penalized_advantages(advantages, kl(p["old"], p["ref"], s.kl_estimator),
+                                                         mask, mb.sequence, s.kl_coef)
                 if s.estimator == "gspo":
-                    loss, clipped = gspo_loss(logprobs, p["old"], mb.advantages, mask, mb.sequence,
+                    loss, clipped = gspo_loss(logprobs, p["old"], advantages, mask, mb.sequence,
                                               s.clip_low, s.clip_high, weights)
                 else:
-                    loss, clipped = ppo_clip_loss(logprobs, p["old"], mb.advantages, mask,
+                    loss, clipped = ppo_clip_loss(logprobs, p["old"], advantages, mask,
                                                   s.clip_low, s.clip_high, s.dual_clip, weights)
                 if s.kl_coef > 0 and p["ref"] is not None:
                     kl_sum = (kl(logprobs, p["ref"], s.kl_estimator) * mask).sum()
-                    loss = loss + s.kl_coef * kl_sum
-                    stats["kl"] += float(kl_sum)
+                    if not s.kl_in_reward:
+                        loss = loss + s.kl_coef * kl_sum
+                    stats["kl"] += float(kl_sum.detach())
                 if entropy is not None:
                     entropy_sum = (entropy * mask).sum()
                     loss = loss - s.entropy_coef * entropy_sum
-                    stats["entropy"] += float(entropy_sum)
+                    stats["entropy"] += float(entropy_sum.detach())
                 (loss * scale).backward()
                 stats["loss"] += float(loss.detach())
                 stats["clip_frac"] += float(clipped) * float(mask.sum())

@@ -82,3 +82,21 @@ def zero_variance_groups(rewards: torch.Tensor, groups: torch.Tensor) -> torch.T
     """True for rollouts whose group's rewards are all equal (no learning signal; dynamic filtering)."""
     _, std, count = _group_stats(rewards, groups)
     return (std < EPS) & (count > 1)
+
+
+def kl_penalized_advantages(advantages: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor,
+                            sequence: torch.Tensor, beta: float) -> torch.Tensor:
+    """KL as a reward (REINFORCE++ style): each token's advantage minus beta times the KL still to come.
+
+    Tensors are flat over tokens ([T]); `sequence` gives each token's sequence
+    index. A_t' = A_t - beta * sum of kl_s over the sequence's trained tokens s >= t.
+    """
+    x = kl * mask
+    inclusive = torch.cumsum(x, 0)
+    exclusive = inclusive - x
+    count = int(sequence.max()) + 1
+    total = torch.zeros(count, dtype=x.dtype).index_add_(0, sequence, x)
+    first = torch.full((count,), len(x), dtype=torch.long).scatter_reduce_(
+        0, sequence, torch.arange(len(x)), reduce="amin")
+    before = exclusive - exclusive[first][sequence]  # this sequence's KL before t
+    return advantages - beta * (total[sequence] - before)

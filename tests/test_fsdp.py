@@ -80,4 +80,5 @@ def test_fsdp2_step_equals_unsharded(kind, backend, tmp_path):
     moved = max((after[k] - before[k]).abs().max().item() for k in after)
     assert moved > 5e-4, "the step did not change the weights; the comparison would be vacuous"
     worst = max((sharded[k] - after[k]).abs().max().item() for k in after)
+    print(f"{kind}/{backend}: weights moved up to {moved:.2e}; sharded vs unsharded step differ by {worst:.2e}")
     assert worst < 1e-5, f"sharded and unsharded steps differ by {worst:.2e}"

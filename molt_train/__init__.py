@@ -4,3 +4,5 @@ The config tree and `molt-train`, the Ray runtime and the one asynchronous
 loop, the policy actor (FSDP2, NeMo AutoModel), algorithms as pure functions,
 weight sync to the engines, checkpoints and metrics.
 """
+
+import molt_env  # noqa: F401,E402  (the base package; also quiets known library noise)

@@ -91,3 +91,18 @@ def test_sample_token_truncations():
     assert token == 0 and list(top) == [0, 1, 2]
     # top_p=0.5: the first token alone holds 0.66 of the mass.
     assert all(sample_token(logits, SamplingParams(top_p=0.5), generator)[0] == 0 for _ in range(10))
+
+
+def test_engine_survives_a_caller_whose_event_loop_closed(hf_moe, moe_dir):
+    """A caller that vanishes mid-request (a server shut down) must not take the engine thread with it."""
+    import asyncio
+    import time
+
+    prompt = _prompt(moe_dir)
+    loop = asyncio.new_event_loop()
+    loop.create_task(hf_moe.generate(prompt, SamplingParams(max_tokens=50, seed=0)))
+    loop.run_until_complete(asyncio.sleep(0.1))  # submitted and generating
+    loop.close()  # gone, without cancelling
+    time.sleep(0.5)
+    (sample,) = run(asyncio.wait_for(hf_moe.generate(prompt, SamplingParams(max_tokens=3, seed=1)), 60))
+    assert 1 <= len(sample.token_ids) <= 3

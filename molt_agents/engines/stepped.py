@@ -12,6 +12,7 @@ token can be stamped with the exact version of the weights that sampled it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import uuid
@@ -19,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from molt_agents.engines.base import Sample, SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -48,6 +51,15 @@ class _Pending:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
 
 
+def _notify(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
+    """Run `fn(*args)` on `loop`; False if that loop is gone (its caller went away)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+        return True
+    except RuntimeError:  # the event loop is closed
+        return False
+
+
 def _resolve(future: asyncio.Future, result=None, error: BaseException | None = None) -> None:
     if future.done():  # the awaiting coroutine was cancelled
         return
@@ -67,6 +79,7 @@ class SteppedEngine:
         self._wake = threading.Event()
         self._paused = False
         self._closed = False
+        self._dead: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"molt-{type(self).__name__}", daemon=True)
         self._thread.start()
 
@@ -152,8 +165,8 @@ class SteppedEngine:
 
     async def _call(self, fn):
         """Run `fn` on the engine thread between two steps and await its result."""
-        if self._closed:
-            raise RuntimeError("the engine is closed")
+        if self._closed or self._dead is not None:
+            raise RuntimeError(f"the engine is {'closed' if self._closed else f'stopped: {self._dead!r}'}")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
 
@@ -161,20 +174,32 @@ class SteppedEngine:
             try:
                 result = fn()
             except BaseException as error:  # handed to the awaiting coroutine
-                loop.call_soon_threadsafe(_resolve, future, None, error)
+                _notify(loop, _resolve, future, None, error)
             else:
-                loop.call_soon_threadsafe(_resolve, future, result)
+                _notify(loop, _resolve, future, result)
 
         self._submit(job)
         return await future
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as error:  # never die silently: fail what waits, refuse what comes
+            self._dead = error
+            log.exception("the engine thread stopped")
+            self._fail_all(RuntimeError(f"the engine thread stopped: {error!r}"))
+
+    def _loop(self) -> None:
         while not self._closed:
             while True:
                 try:
-                    self._inbox.get_nowait()()
+                    job = self._inbox.get_nowait()
                 except queue.Empty:
                     break
+                try:
+                    job()
+                except Exception:  # `_call` jobs report their own errors; this is an abort or cleanup
+                    log.exception("an engine job failed")
             if self._paused or not self._backend_has_work():
                 self._wake.wait()
                 self._wake.clear()
@@ -198,20 +223,25 @@ class SteppedEngine:
         if pending.want_top:
             pending.top_logprobs += item.top_logprobs or [{} for _ in item.token_ids]
         if pending.on_tokens is not None and item.token_ids:
-            pending.loop.call_soon_threadsafe(pending.on_tokens, pending.index, item)
+            if not _notify(pending.loop, pending.on_tokens, pending.index, item):
+                self._abort([item.request_id])
+                return
         if item.finished:
             del self._pending[item.request_id]
             sample = Sample(pending.token_ids, pending.logprobs, pending.versions, item.finish_reason,
                             routes=item.routes, prompt_len=pending.prompt_len,
                             top_logprobs=pending.top_logprobs if pending.want_top else None)
-            pending.loop.call_soon_threadsafe(_resolve, pending.future, sample)
+            _notify(pending.loop, _resolve, pending.future, sample)
 
     def _abort(self, request_ids: list[str]) -> None:
         live = [request_id for request_id in request_ids if self._pending.pop(request_id, None)]
         if live:
-            self._backend_abort(live)
+            try:
+                self._backend_abort(live)
+            except Exception:
+                log.exception("aborting %d requests failed", len(live))
 
     def _fail_all(self, error: BaseException) -> None:
         for pending in self._pending.values():
-            pending.loop.call_soon_threadsafe(_resolve, pending.future, None, error)
+            _notify(pending.loop, _resolve, pending.future, None, error)
         self._abort(list(self._pending))

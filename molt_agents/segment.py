@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from molt_agents.engines.base import Sample
 from molt_env.trajectory import Trajectory
 
@@ -28,6 +30,7 @@ class Segment:
     logprobs: list[float | None] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish_reason: str = ""
+    routes: np.ndarray | None = None  # int16 [positions seen so far, layers, top_k], -1 where unknown
 
     @classmethod
     def from_text(cls, tokenizer, text: str) -> Segment:
@@ -55,6 +58,18 @@ class Segment:
         self.logprobs += list(sample.logprobs)
         self.versions += list(sample.versions)
         self.finish_reason = sample.finish_reason
+        if sample.routes is not None:
+            self._merge_routes(np.asarray(sample.routes, dtype=np.int16))
+
+    def _merge_routes(self, rows: np.ndarray) -> None:
+        """Keep the experts recorded when each position was first computed; fill positions still unknown."""
+        if self.routes is None:
+            self.routes = rows.copy()
+            return
+        known = len(self.routes)
+        unknown = (self.routes[: len(rows)] < 0).all(axis=(1, 2))
+        self.routes[: len(rows)][unknown] = rows[: known][unknown[: len(rows)]]
+        self.routes = np.concatenate([self.routes, rows[known:]])
 
     def extend_to(self, rendered: str) -> bool:
         """Append the tokens of `rendered` beyond what this segment spells.
@@ -74,6 +89,8 @@ class Segment:
         """Drop everything after the first `length` tokens (undo a failed request's additions)."""
         for name in ("token_ids", "mask", "logprobs", "versions"):
             del getattr(self, name)[length:]
+        if self.routes is not None:
+            self.routes = self.routes[:length]
 
     def fork(self) -> Segment:
         """A copy whose existing tokens are context only, for a sibling choice (`n > 1`).
@@ -82,8 +99,13 @@ class Segment:
         """
         twin = Segment(self.tokenizer)
         twin.append_context(list(self.token_ids))
+        twin.routes = None if self.routes is None else self.routes.copy()
         return twin
 
     def to_trajectory(self, **facts) -> Trajectory:
+        routes = None
+        if self.routes is not None:  # context appended after the last sample was never routed
+            routes = np.full((len(self.token_ids), *self.routes.shape[1:]), -1, dtype=np.int16)
+            routes[: len(self.routes)] = self.routes[: len(self.token_ids)]
         return Trajectory(token_ids=list(self.token_ids), logprobs=list(self.logprobs), mask=list(self.mask),
-                          versions=list(self.versions), finish_reason=self.finish_reason, **facts)
+                          versions=list(self.versions), finish_reason=self.finish_reason, routes=routes, **facts)

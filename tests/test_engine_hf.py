@@ -106,3 +106,30 @@ def test_engine_survives_a_caller_whose_event_loop_closed(hf_moe, moe_dir):
     time.sleep(0.5)
     (sample,) = run(asyncio.wait_for(hf_moe.generate(prompt, SamplingParams(max_tokens=3, seed=1)), 60))
     assert 1 <= len(sample.token_ids) <= 3
+
+
+def test_multi_turn_episode_carries_the_routes_of_every_position(hf_moe, moe_dir):
+    """Routes through the env runner: each turn's prefill fills the positions it sees first."""
+    from test_env import Chatty
+    from transformers import AutoTokenizer
+
+    from molt_agents.runner import run_episode
+    from molt_env import check
+
+    tokenizer = AutoTokenizer.from_pretrained(moe_dir)
+    (trajectory,) = run(run_episode(Chatty(), hf_moe, tokenizer, SamplingParams(max_tokens=6, seed=0),
+                                    max_total_tokens=1024, seed=0))
+    check(trajectory)  # includes routes [T, layers, top_k] int16
+    routes = trajectory.routes
+    last_sampled = max(i for i, m in enumerate(trajectory.mask) if m)
+    assert (routes[:last_sampled] >= 0).all()  # every position fed to the engine has its experts
+    model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    chosen = []
+    hooks = [m.register_forward_hook(lambda mod, a, out: chosen.append(out[-1]))
+             for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    with torch.no_grad():
+        model(torch.tensor([trajectory.token_ids[:last_sampled]]))
+    for hook in hooks:
+        hook.remove()
+    reference = torch.stack(chosen, 1).numpy()
+    assert np.array_equal(np.sort(routes[:last_sampled], -1), np.sort(reference, -1))

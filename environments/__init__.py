@@ -9,3 +9,6 @@ DEFAULT_ENV = "digit"
 
 register("digit", "environments.digit:Digit")
 register("arithmetic", "environments.arithmetic:Arithmetic")
+register("countdown", "environments.countdown:Countdown")
+register("guess_number", "environments.guess_number:GuessNumber")
+register("frozen_lake", "environments.frozen_lake:FrozenLake")

@@ -53,10 +53,12 @@ def load_class(spec: str):
         if not path.is_file():
             raise ValueError(f"{spec!r}: no file {path}")
         module_name = f"molt_user_{abs(hash(str(path.resolve())))}"
-        loader_spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(loader_spec)
-        sys.modules[module_name] = module
-        loader_spec.loader.exec_module(module)
+        module = sys.modules.get(module_name)
+        if module is None:  # load a file once per process, like an import
+            loader_spec = importlib.util.spec_from_file_location(module_name, path)
+            module = importlib.util.module_from_spec(loader_spec)
+            sys.modules[module_name] = module
+            loader_spec.loader.exec_module(module)
     else:
         try:
             module = importlib.import_module(target)

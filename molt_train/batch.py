@@ -31,6 +31,8 @@ def assemble(groups: list[dict], version: int, algo) -> tuple[list[dict], dict]:
                 trajectories.append(trajectory)
     failures = [f for group in groups for f in group["failures"]]
     stats["episodes/failed"] = len(failures)
+    for reason, count in Counter(f.split(":", 1)[0] for f in failures).items():
+        stats[f"episodes/failed/{reason}"] = count
     if failures:
         stats["episodes/failure_example"] = failures[0]
     for reason, count in invalid.items():

@@ -41,6 +41,8 @@ class RolloutConfig:
     """Most tokens sampled per turn."""
     max_total_tokens: int = 512
     """Token budget of a whole episode (prompt, turns and replies)."""
+    episode_timeout: float = 300.0
+    """Seconds an episode may take; past it the episode is dropped (counted as a failure) and the run goes on."""
     partial_rollout: bool = True
     """Requests in flight continue under new weights after a sync; off, they finish on the old ones first."""
 

@@ -25,13 +25,13 @@ class RolloutWorker:
     """One engine and the episodes it plays (run as a Ray actor)."""
 
     def __init__(self, model_dir: str, env: str, engine: dict, sampling: dict, max_total_tokens: int,
-                 seed: int = 0, version: int = 0, agent: str | None = None):
+                 seed: int = 0, version: int = 0, agent: str | None = None, episode_timeout: float = 300.0):
         import environments  # noqa: F401  (registers the bundled environments)
         from transformers import AutoTokenizer
 
         from molt_agents.engines import make_engine
 
-        self.env_spec, self.max_total_tokens = env, max_total_tokens
+        self.env_spec, self.max_total_tokens, self.episode_timeout = env, max_total_tokens, episode_timeout
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.engine = make_engine(engine["name"], model_dir, dtype=engine["dtype"], seed=seed,
                                   max_model_len=engine["max_model_len"])
@@ -76,11 +76,15 @@ class RolloutWorker:
             seed = None if self.params.seed is None else self.params.seed + 7919 * group_index + index
             params = dataclasses.replace(self.params, seed=seed)
             if self.agent is not None:
-                return await self._agent_episode(env, params, env_seed, f"{group_index}-{index}", str(group_index))
-            return await run_episode(env, self.engine, self.tokenizer, params,
-                                     max_total_tokens=self.max_total_tokens, seed=env_seed,
-                                     rollout_id=f"{group_index}-{index}", group_id=str(group_index))
-        except Exception as error:  # the environment's fault: drop this episode only
+                episode = self._agent_episode(env, params, env_seed, f"{group_index}-{index}", str(group_index))
+            else:
+                episode = run_episode(env, self.engine, self.tokenizer, params,
+                                      max_total_tokens=self.max_total_tokens, seed=env_seed,
+                                      rollout_id=f"{group_index}-{index}", group_id=str(group_index))
+            return await asyncio.wait_for(episode, self.episode_timeout)
+        except asyncio.TimeoutError:  # a hung environment or agent (its thread, if any, is abandoned)
+            return f"timeout: the episode took over {self.episode_timeout} s"
+        except Exception as error:  # the environment's or agent's fault: drop this episode only
             return f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=3)}"
         finally:
             self.in_flight -= 1

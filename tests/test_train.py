@@ -142,3 +142,33 @@ def test_a_chat_agent_plays_the_episodes_through_the_loopback(tmp_path, ray_addr
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["episodes/failed"] == 0 and r["tokens/trained"] > 0 for r in rows)
     assert all(r["mismatch/max_abs"] < 1e-4 for r in rows)  # loopback capture is token-exact
+
+
+def test_failing_and_hanging_environments_cost_episodes_not_the_run(tmp_path, ray_address):
+    path = tmp_path / "flaky.py"
+    path.write_text("import time\n"
+                    "from molt_env import Env\n"
+                    "class Flaky(Env):\n"
+                    "    episodes = 0\n"
+                    "    def reset(self, *, seed=None, options=None):\n"
+                    "        super().reset(seed=seed)\n"
+                    "        Flaky.episodes += 1\n"
+                    "        if Flaky.episodes % 3 == 0:\n"
+                    "            raise RuntimeError('every third episode breaks')\n"
+                    "        return 'Say hi.', {}\n"
+                    "    def step(self, action):\n"
+                    "        return '', 1.0, True, False, {}\n"
+                    "class Hangs(Env):\n"
+                    "    def reset(self, *, seed=None, options=None):\n"
+                    "        super().reset(seed=seed)\n"
+                    "        return 'Say hi.', {}\n"
+                    "    def step(self, action):\n"
+                    "        time.sleep(3600)\n")
+    rows = _train(tmp_path / "flaky", ray_address, "--env", f"{path}:Flaky", "--steps", "2",
+                  "--rollout.max_tokens", "4", "--train.async_queue_size", "0")
+    assert [r["step"] for r in rows] == [1, 2]
+    failed = sum(r.get("episodes/failed/RuntimeError", 0) for r in rows)
+    assert failed == sum(r["episodes/failed"] for r in rows) and 2 * 4 * 4 // 3 - 1 <= failed <= 2 * 4 * 4 // 3 + 1
+    rows = _train(tmp_path / "hangs", ray_address, "--env", f"{path}:Hangs", "--steps", "1",
+                  "--rollout.max_tokens", "4", "--rollout.episode_timeout", "3", "--train.async_queue_size", "0")
+    assert rows[0]["episodes/failed/timeout"] == 16 and rows[0]["tokens/trained"] == 0

@@ -129,16 +129,8 @@ def test_env_from_a_file_with_the_transformers_engine(tmp_path, ray_address):
 
 
 def test_a_chat_agent_plays_the_episodes_through_the_loopback(tmp_path, ray_address):
-    path = tmp_path / "agent.py"
-    path.write_text("import openai\n"
-                    "from molt_agents.agent import ChatAgent\n"
-                    "class Solver(ChatAgent):\n"
-                    "    async def run(self, ctx):\n"
-                    "        client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key)\n"
-                    "        reply = await client.chat.completions.create(model=ctx.model, messages=ctx.messages)\n"
-                    "        return ctx.env.step(reply.choices[0].message.content)[1]\n")
-    rows = _train(tmp_path / "agent-run", ray_address, "--agent", f"{path}:Solver", "--steps", "2",
-                  "--train.async_queue_size", "0")
+    rows = _train(tmp_path / "agent-run", ray_address, "--agent", "environments.agents:SingleTurnChat",
+                  "--steps", "2", "--train.async_queue_size", "0")
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["episodes/failed"] == 0 and r["tokens/trained"] > 0 for r in rows)
     assert all(r["mismatch/max_abs"] < 1e-4 for r in rows)  # loopback capture is token-exact

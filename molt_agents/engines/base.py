@@ -9,7 +9,7 @@ distribution and the weight version that produced it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 
@@ -49,7 +49,6 @@ class Sample:
     routes: object | None = None  # optional int16 [prompt+completion, layers, top_k] expert ids
     prompt_len: int = 0
     top_logprobs: list[dict[int, float]] | None = None  # when asked: most likely tokens per position
-    extra: dict = field(default_factory=dict)
 
 
 @runtime_checkable

@@ -181,12 +181,8 @@ class Loopback:
             body = protocol.parse(ChatRequest, await self._read_json(request))
             session = self._session(session_id)
             rendered = render_text(self.tokenizer, body.messages, body.tools)
-            find_base = lambda: session.base_for_text(rendered)  # noqa: E731
-            if body.stream:
-                return await self._stream(session, find_base, body, top=body.top_logprobs or 0)
-            async with session.lock:
-                base, samples = await self._generate(session, find_base, body, top=body.top_logprobs or 0)
-            return self._chat_response(body, base, samples)
+            return await self._respond(session, lambda: session.base_for_text(rendered), body,
+                                       top=body.top_logprobs or 0)
 
         @app.post("/s/{session_id}/v1/completions")
         async def completions(session_id: str, request: Request):
@@ -196,11 +192,7 @@ class Loopback:
                 raise APIError(400, "prompt holds token ids outside the vocabulary", param="prompt")
             find_base = (lambda: session.base_for_text(body.prompt)) if isinstance(body.prompt, str) \
                 else (lambda: session.base_for_ids(body.prompt))
-            if body.stream:
-                return await self._stream(session, find_base, body, top=body.logprobs or 0)
-            async with session.lock:
-                base, samples = await self._generate(session, find_base, body, top=body.logprobs or 0)
-            return self._completion_response(body, base, samples)
+            return await self._respond(session, find_base, body, top=body.logprobs or 0)
 
         @app.post("/s/{session_id}/finish")
         async def finish(session_id: str, request: Request):
@@ -230,6 +222,15 @@ class Loopback:
 
     # ------------------------------------------------------------------
     # Generation
+
+    async def _respond(self, session: Session, find_base, body, top: int):
+        """Sample for a chat or completion request; a stream, or the whole response."""
+        if body.stream:
+            return await self._stream(session, find_base, body, top)
+        async with session.lock:
+            base, samples = await self._generate(session, find_base, body, top)
+        build = self._chat_response if isinstance(body, ChatRequest) else self._completion_response
+        return build(body, base, samples)
 
     async def _generate(self, session: Session, find_base, body, top: int, on_start=None, on_tokens=None):
         """Sample for `body` after the segment `find_base()` picks; the session is unchanged on failure.

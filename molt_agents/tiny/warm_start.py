@@ -23,7 +23,6 @@ def warm_start(model, tokenizer, steps: int = 150, batch: int = 32, lr: float = 
     # Prompts without digits: the model learns the reply format, not to ignore digits it reads.
     prompts = [line for line in _corpus_lines(seed + 1, 4000)
                if "\n" not in line and not any(c.isdigit() for c in line)][:1000]
-
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     for _ in range(steps):

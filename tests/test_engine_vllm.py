@@ -85,6 +85,41 @@ def test_vllm_weight_update_bumps_version_and_changes_logprobs(vllm_dense, dense
         run(vllm_dense.update_weights(list(original.state_dict().items())))
 
 
+def test_vllm_new_requests_never_reuse_kv_of_old_weights(vllm_dense, dense_dir):
+    """Partial rollout: a request in flight across a weight update still holds prefix-cache blocks
+    computed by the old weights (vLLM then refuses to reset its prefix cache). A new request with the
+    same prompt must not reuse them: its logprobs are the new weights' own."""
+    import asyncio
+
+    prompt = (_prompt(dense_dir) * 20)[:320]  # several KV-cache blocks
+    model = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.v_proj.weight.mul_(2.0)  # changes every cached value vector
+
+    async def scenario():
+        loop, started = asyncio.get_running_loop(), asyncio.Event()
+        old = asyncio.ensure_future(vllm_dense.generate(
+            prompt, SamplingParams(max_tokens=400, seed=1),
+            on_tokens=lambda index, progress: loop.call_soon_threadsafe(started.set)))
+        await started.wait()
+        await vllm_dense.pause()
+        version = await vllm_dense.update_weights(list(model.state_dict().items()))
+        await vllm_dense.resume()
+        new = await vllm_dense.generate(prompt, SamplingParams(max_tokens=8, seed=2))
+        return (await old)[0], new, version
+
+    try:
+        old, new, version = run(scenario())
+        assert set(old.versions) == {version - 1, version}, "the first request should span the update"
+        worst = _check_against_transformers(model, prompt, new)
+        print(f"after the update: max |engine - transformers(new weights)| = {worst:.2e}")
+        assert worst < 1e-5
+    finally:
+        original = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32)
+        run(vllm_dense.update_weights(list(original.state_dict().items())))
+
+
 def test_sampling_params_reject_bad_values():
     with pytest.raises(ValueError, match="n=0"):
         SamplingParams(n=0)

@@ -56,7 +56,6 @@ class VLLMEngine(SteppedEngine):
         args.update(engine_args)
         self._engine = LLMEngine.from_engine_args(EngineArgs(**args))
         self._top: dict[str, int] = {}  # request id -> top logprobs asked for
-        self._stale_prefix_cache = False
         super().__init__()
 
     def _backend_start(self, request_id, prompt_ids, params: SamplingParams, index):
@@ -75,12 +74,14 @@ class VLLMEngine(SteppedEngine):
             logprobs=params.top_logprobs,
             output_kind=RequestOutputKind.DELTA,
         )
-        self._engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids), vllm_params)
+        # Salting the prefix cache with the weight version keeps a new request off KV blocks that old
+        # weights computed: under partial rollout, requests in flight still hold them (and vLLM refuses
+        # to reset its prefix cache while they do); unreachable, they age out of the cache.
+        prompt = TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=f"policy-v{self.version}")
+        self._engine.add_request(request_id, prompt, vllm_params)
         self._top[request_id] = params.top_logprobs
 
     def _backend_step(self) -> list[Progress]:
-        if self._stale_prefix_cache:  # retry until no request holds blocks computed by old weights
-            self._stale_prefix_cache = not self._engine.reset_prefix_cache()
         progress = []
         for output in self._engine.step():
             completion = output.outputs[0]
@@ -110,9 +111,6 @@ class VLLMEngine(SteppedEngine):
 
     def _backend_reload(self, named_tensors):
         self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
-        # Cached KV was computed by the old weights. vLLM cannot drop blocks that requests in
-        # flight still use (partial rollout); retry before each step until it can.
-        self._stale_prefix_cache = not self._engine.reset_prefix_cache()
 
     def _backend_close(self):
         self._engine.engine_core.shutdown()

@@ -2,7 +2,12 @@
 
     policy/          the policy in Hugging Face format with its tokenizer (transformers and vLLM load it)
     optimizer.pt     optimizer and scheduler state
-    loop_state.json  step, policy version, data position, RNG seed
+    rng_rankN.pt     each trainer rank's random generator states (torch, CUDA, Python, NumPy)
+    loop_state.json  step, policy version, data position, seed
+
+Rollouts need no generator state: every episode's environment seed and
+sampling seed derive from (seed, group index, sample index), so a resumed run
+replays a group with the seeds it would have had.
 
 A checkpoint is written under a temporary name and renamed when complete, so
 a run killed mid-save (kill -9 included) resumes from the previous one.

@@ -65,6 +65,11 @@ class TrainConfig:
     """Optimizer steps per batch of rollouts (PPO epochs over mini-batches)."""
     async_queue_size: int = 16
     """Finished groups that may wait for the trainer; 0 = synchronous, strictly on-policy."""
+    weight_sync: Literal["broadcast", "object_store"] = "broadcast"
+    """How new weights reach the engines: broadcast in buckets on a collective channel (NCCL on GPU, gloo
+    on CPU), or through Ray's object store (trainer rank 0 gathers the whole model first)."""
+    sync_bucket_mb: int = 256
+    """Bucket size of the broadcast weight sync, in MiB (a larger tensor travels alone)."""
 
 
 @dataclass
@@ -193,6 +198,7 @@ def validate(config: Config) -> None:
     need(0 < config.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
     need(config.train.lr > 0, "train.lr", "must be > 0")
     need(config.train.async_queue_size >= 0, "train.async_queue_size", "must be >= 0")
+    need(config.train.sync_bucket_mb >= 1, "train.sync_bucket_mb", "must be >= 1")
     need(config.train.updates_per_batch >= 1, "train.updates_per_batch", "must be >= 1")
     need(config.actor.world_size >= 1, "actor.world_size", "must be >= 1")
     need(config.algo.max_staleness >= 0, "algo.max_staleness", "must be >= 0")

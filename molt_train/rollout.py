@@ -108,19 +108,32 @@ class RolloutWorker:
                                tools=getattr(env, "tools", None), sampling=sampling, task=info,
                                rollout_id=rollout_id, group_id=group_id, env=env)
 
-    async def update_weights(self, weights: dict, partial_rollout: bool) -> int:
-        """Load new weights. With partial rollout, requests in flight continue under them;
-        without, new episodes wait while those in flight finish on the old weights."""
+    async def open_channel(self, host: str, port: int, rank: int, size: int, metas, bucket_bytes: int) -> None:
+        """Join the trainer's weight broadcast channel as `rank` (the rendezvous blocks, so off the loop)."""
+        import torch
+
+        from molt_train.weight_sync import Channel, plan_buckets
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.buckets = plan_buckets(metas, bucket_bytes)
+        self.channel = await asyncio.to_thread(Channel, host, port, rank, size, device)
+
+    async def update_weights(self, weights: dict | None, partial_rollout: bool) -> int:
+        """Load new weights: `weights` given whole, or None to receive them bucket by bucket on the
+        channel (the engine loads each bucket as it arrives). With partial rollout, requests in flight
+        continue under the new weights; without, new episodes wait while those in flight finish on
+        the old weights."""
+        named = list(weights.items()) if weights is not None else self.channel.receive(self.buckets)
         if partial_rollout:
             await self.engine.pause()
             try:
-                return await self.engine.update_weights(list(weights.items()))
+                return await self.engine.update_weights(named)
             finally:
                 await self.engine.resume()
         self.admitting.clear()
         try:
             await self.idle.wait()
-            return await self.engine.update_weights(list(weights.items()))
+            return await self.engine.update_weights(named)
         finally:
             self.admitting.set()
 

@@ -1,7 +1,7 @@
 """The policy trainer group: `world_size` FSDP2 ranks as Ray actors, driven in lockstep.
 
 Every call goes to all ranks at once (they run collectives together); rank 0
-returns the full weights for the weight sync. The batch is packed into
+sends the weights to the engines (bucketed broadcast) or returns them whole. The batch is packed into
 micro-batches by token budget and dealt to the ranks in equal numbers.
 """
 
@@ -51,11 +51,17 @@ class TrainerGroup:
     async def weights(self) -> dict:
         return (await _gather([rank.full_weights.remote() for rank in self.ranks]))[0]
 
+    async def open_channel(self, host: str, port: int, size: int, bucket_bytes: int) -> None:
+        await _gather([rank.open_channel.remote(host, port, size, bucket_bytes) for rank in self.ranks])
+
+    async def broadcast_weights(self) -> None:
+        await _gather([rank.broadcast_weights.remote() for rank in self.ranks])
+
     async def save(self, directory: str) -> None:
         await _gather([rank.save.remote(directory) for rank in self.ranks])
 
-    async def load_optimizer(self, directory: str) -> None:
-        await _gather([rank.load_optimizer.remote(directory) for rank in self.ranks])
+    async def restore(self, directory: str) -> None:
+        await _gather([rank.restore.remote(directory) for rank in self.ranks])
 
     async def close(self) -> None:
         await _gather([rank.close.remote() for rank in self.ranks])

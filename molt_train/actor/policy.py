@@ -4,8 +4,9 @@ Every rank of the group runs the same calls on its own share of the
 micro-batches: `logprobs` (no grad: the proximal policy's logprobs, the
 reference model's, the trainer-vs-engine mismatch), then `train` (one or more
 optimizer steps, gradient accumulation over micro-batches, token-level loss
-normalisation over the whole step, gradient clipping). Rank 0 hands the full
-weights to the weight sync and writes checkpoints.
+normalisation over the whole step, gradient clipping). Every rank takes part
+in gathering full tensors for the weight sync and checkpoints; rank 0 sends
+them to the engines and writes the files.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from molt_train.algorithms.advantages import kl_penalized_advantages
 from molt_train.algorithms.losses import entropy_from_logits, gspo_loss, kl, ppo_clip_loss
 from molt_train.algorithms.off_policy import importance_weights
 from molt_train.packing import MicroBatch
+from molt_train.weight_sync import Channel, free_endpoint, plan_buckets, tensor_meta
 
 
 @dataclass
@@ -160,8 +162,29 @@ class PolicyRank:
         state = fsdp.full_state_dict(self.model)
         return {k: v.detach().cpu().clone() for k, v in state.items()} if self.rank == 0 else None
 
+    def weight_meta(self):
+        """Name, full shape and dtype of every weight the engines load, in sync order."""
+        return tensor_meta(self.model.state_dict().items())
+
+    def channel_endpoint(self) -> tuple[str, int]:
+        return free_endpoint()
+
+    def open_channel(self, host: str, port: int, size: int, bucket_bytes: int) -> None:
+        """Rank 0 joins the broadcast channel to the workers; every rank learns the bucket plan."""
+        self.buckets = plan_buckets(self.weight_meta(), bucket_bytes)
+        self.channel = Channel(host, port, 0, size, self.device) if self.rank == 0 else None
+
+    def broadcast_weights(self) -> None:
+        """Gather the full tensors bucket by bucket (a collective) and broadcast each bucket from rank 0."""
+        state = self.model.state_dict()
+        for bucket in self.buckets:
+            full = {meta.name: _full_tensor(state[meta.name]) for meta, _ in bucket.entries}
+            if self.channel is not None:
+                self.channel.send(bucket, full)
+
     def save(self, directory: str) -> None:
-        """Policy in Hugging Face format and the optimizer and scheduler state (rank 0 writes)."""
+        """Policy in Hugging Face format, optimizer and scheduler state (rank 0 writes), and every
+        rank's random generator states."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         directory = Path(directory)
@@ -171,15 +194,51 @@ class PolicyRank:
         if self.rank == 0:
             self.model.save_pretrained(directory / "policy", state_dict=weights)
             torch.save({"optimizer": optimizer, "scheduler": self.scheduler.state_dict()}, directory / "optimizer.pt")
+        torch.distributed.barrier()  # the directory exists now
+        torch.save(rng_state(), directory / f"rng_rank{self.rank}.pt")
         torch.distributed.barrier()
 
-    def load_optimizer(self, directory: str) -> None:
+    def restore(self, directory: str) -> None:
+        """Optimizer, scheduler and random generator states from a checkpoint (the weights are loaded at start)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         state = torch.load(Path(directory) / "optimizer.pt", weights_only=False)
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
                                  options=StateDictOptions(full_state_dict=True))
         self.scheduler.load_state_dict(state["scheduler"])
+        rng = Path(directory) / f"rng_rank{self.rank}.pt"
+        if rng.exists():  # absent when the world size changed since the checkpoint: keep the fresh seed
+            set_rng_state(torch.load(rng, weights_only=False))
 
     def close(self) -> None:
         fsdp.destroy_process_group()
+
+
+def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def rng_state() -> dict:
+    """Every random generator a training step may draw from (dropout, a user's sampling in the loss)."""
+    import random
+
+    import numpy
+
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    import random
+
+    import numpy
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    numpy.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -57,6 +57,10 @@ class TrainConfig:
     """AdamW weight decay."""
     warmup_steps: int = 0
     """Linear learning-rate warmup, in optimizer steps."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"
+    """After warmup: a constant learning rate, or a linear or cosine decay to min_lr_ratio * lr at the last step."""
+    min_lr_ratio: float = 0.1
+    """Where the decay ends, as a fraction of lr."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this."""
     micro_batch_tokens: int = 1024
@@ -198,6 +202,8 @@ def validate(config: Config) -> None:
     need(0 < config.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
     need(config.train.lr > 0, "train.lr", "must be > 0")
     need(config.train.async_queue_size >= 0, "train.async_queue_size", "must be >= 0")
+    need(0 <= config.train.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
+    need(config.train.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
     need(config.train.sync_bucket_mb >= 1, "train.sync_bucket_mb", "must be >= 1")
     need(config.train.updates_per_batch >= 1, "train.updates_per_batch", "must be >= 1")
     need(config.actor.world_size >= 1, "actor.world_size", "must be >= 1")

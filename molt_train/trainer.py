@@ -26,7 +26,8 @@ class TrainerGroup:
         algo, train = config.algo, config.train
         settings = TrainSettings(
             lr=train.lr, weight_decay=train.weight_decay, grad_clip=train.grad_clip,
-            warmup_steps=train.warmup_steps, estimator=algo.estimator, clip_low=algo.clip_low,
+            warmup_steps=train.warmup_steps, total_steps=config.steps * train.updates_per_batch,
+            lr_schedule=train.lr_schedule, min_lr_ratio=train.min_lr_ratio, estimator=algo.estimator, clip_low=algo.clip_low,
             clip_high=algo.clip_high, dual_clip=algo.dual_clip, kl_coef=algo.kl_coef,
             kl_estimator=algo.kl_estimator, kl_in_reward=algo.kl_in_reward, entropy_coef=algo.entropy_coef, is_level=algo.is_level,
             is_mode=algo.is_mode, is_low=algo.is_low, is_high=algo.is_high)

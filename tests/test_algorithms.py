@@ -149,3 +149,16 @@ def test_kl_as_reward_subtracts_the_kl_still_to_come():
     # masked kl 0, 1, 2 | 0, 3 -> to come: 3, 3, 2 | 3, 3
     approx(kl_penalized_advantages(advantages, kl_values, mask, sequence, beta=0.5),
            [1 - 1.5, 1 - 1.5, 1 - 1.0, -1 - 1.5, -1 - 1.5])
+
+
+def test_learning_rate_schedules_by_hand():
+    from molt_train.actor.policy import lr_factor
+
+    def f(step, schedule, warmup=0):
+        return lr_factor(step, warmup_steps=warmup, total_steps=10, schedule=schedule, min_ratio=0.1)
+
+    assert [f(s, "constant", warmup=2) for s in (0, 1, 2, 9)] == [0.5, 1.0, 1.0, 1.0]
+    assert f(0, "linear") == 1.0 and abs(f(5, "linear") - 0.55) < 1e-12 and abs(f(10, "linear") - 0.1) < 1e-12
+    assert f(0, "cosine") == 1.0 and abs(f(5, "cosine") - 0.55) < 1e-12 and abs(f(10, "cosine") - 0.1) < 1e-12
+    assert abs(f(2, "cosine") - (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.2)))) < 1e-12
+    assert abs(f(4, "linear", warmup=2) - (0.1 + 0.9 * (1 - 2 / 8))) < 1e-12  # decay starts after warmup

@@ -13,6 +13,7 @@ which is what importance weights need.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -25,6 +26,14 @@ def _configure_vllm_env() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the CPU default takes far more
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+class _RotaryReloadFilter(logging.Filter):
+    """vLLM warns on every weight reload that a rotary embedding "failed to load weights": its cos/sin
+    cache is a buffer no checkpoint holds, and vLLM keeps the one it built. Benign; keep the log readable."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and str(record.args[0]).endswith("RotaryEmbedding"))
 
 
 class VLLMEngine(SteppedEngine):
@@ -55,6 +64,7 @@ class VLLMEngine(SteppedEngine):
         )
         args.update(engine_args)
         self._engine = LLMEngine.from_engine_args(EngineArgs(**args))
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_RotaryReloadFilter())
         self._top: dict[str, int] = {}  # request id -> top logprobs asked for
         super().__init__()
 

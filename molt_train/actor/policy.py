@@ -11,7 +11,9 @@ them to the engines and writes the files.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -30,6 +32,9 @@ class TrainSettings:
     weight_decay: float
     grad_clip: float
     warmup_steps: int
+    total_steps: int
+    lr_schedule: str
+    min_lr_ratio: float
     estimator: str
     clip_low: float
     clip_high: float
@@ -42,6 +47,18 @@ class TrainSettings:
     is_mode: str
     is_low: float
     is_high: float
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float) -> float:
+    """The learning rate's multiplier at optimizer step `step` (from 0): linear warmup, then constant,
+    or a linear or cosine decay that reaches `min_ratio` at `total_steps`."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(total_steps - warmup_steps, 1))
+    shape = 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_ratio + (1.0 - min_ratio) * shape
 
 
 def token_logprobs(model, mb: MicroBatch, with_entropy: bool = False):
@@ -73,8 +90,9 @@ class PolicyRank:
             self.reference.requires_grad_(False)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr,
                                            weight_decay=settings.weight_decay)
-        warmup = max(settings.warmup_steps, 1)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(
+            lr_factor, warmup_steps=settings.warmup_steps, total_steps=settings.total_steps,
+            schedule=settings.lr_schedule, min_ratio=settings.min_lr_ratio))
 
     def _shard(self, model, backend):
         if backend == "automodel":

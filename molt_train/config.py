@@ -72,6 +72,9 @@ class TrainConfig:
     weight_sync: Literal["broadcast", "object_store"] = "broadcast"
     """How new weights reach the engines: broadcast in buckets on a collective channel (NCCL on GPU, gloo
     on CPU), or through Ray's object store (trainer rank 0 gathers the whole model first)."""
+    routing_replay: bool = True
+    """MoE policies: the actor's forwards use the experts the engine chose for each token (trajectory
+    routes; positions without routes keep live routing). No effect on dense models."""
     sync_bucket_mb: int = 256
     """Bucket size of the broadcast weight sync, in MiB (a larger tensor travels alone)."""
 
@@ -120,6 +123,8 @@ class ActorConfig:
     """FSDP2 ranks (gloo on CPU, NCCL on GPU)."""
     backend: Literal["fsdp2", "automodel"] = "fsdp2"
     """Sharding: torch fully_shard, or NeMo AutoModel's parallelizer."""
+    freeze_moe_router: bool = False
+    """MoE policies: keep the router weights fixed (not optimized, not sent to the engines)."""
 
 
 @dataclass

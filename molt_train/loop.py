@@ -81,7 +81,10 @@ TRAIN_KEYS = ("loss", "clip_frac", "entropy", "kl", "grad_norm", "mismatch/kl", 
 
 def _train_stats(result: dict) -> dict:
     tokens = max(result["tokens"], 1)
-    return {
+    routing = {}
+    if result.get("routing_compared"):  # MoE with engine routes: how often the trainer's own top-k agrees
+        routing["routing/agreement"] = result["routing_hits"] / result["routing_compared"]
+    return routing | {
         "loss": result["loss"] / tokens,
         "clip_frac": result["clip_frac"] / tokens,
         "entropy": result["entropy"] / tokens,

@@ -23,6 +23,7 @@ class MicroBatch:
     mask: torch.Tensor  # [N] float, 1 where the token is trained
     advantages: torch.Tensor  # [N] float
     engine_logprobs: torch.Tensor  # [N] float, 0 where not sampled
+    routes: torch.Tensor | None = None  # [N, layers, top_k] int16 engine expert ids, -1 where unknown
 
     @property
     def num_tokens(self) -> int:
@@ -30,7 +31,7 @@ class MicroBatch:
 
 
 def pack(items: list[dict], token_budget: int) -> list[MicroBatch]:
-    """Pack `items` (dicts with token_ids, mask, advantage, logprobs) into micro-batches.
+    """Pack `items` (dicts with token_ids, mask, advantage, logprobs, optional routes) into micro-batches.
 
     Greedy in the given order; a sequence longer than the budget gets a micro-batch of its own.
     """
@@ -59,7 +60,17 @@ def _micro_batch(items: list[dict]) -> MicroBatch:
         logprobs += [0.0 if lp is None else lp for lp in item["logprobs"]]
     return MicroBatch(torch.tensor(ids), torch.tensor(positions), torch.tensor(sequence),
                       torch.tensor(mask, dtype=torch.float32), torch.tensor(advantages, dtype=torch.float32),
-                      torch.tensor(logprobs, dtype=torch.float32))
+                      torch.tensor(logprobs, dtype=torch.float32), _routes(items))
+
+
+def _routes(items: list[dict]) -> torch.Tensor | None:
+    """The items' expert routes end to end; -1 for an item that has none (None when none has any)."""
+    shapes = [item["routes"].shape[1:] for item in items if item.get("routes") is not None]
+    if not shapes:
+        return None
+    return torch.cat([torch.as_tensor(item["routes"], dtype=torch.int16) if item.get("routes") is not None
+                      else torch.full((len(item["token_ids"]), *shapes[0]), -1, dtype=torch.int16)
+                      for item in items])
 
 
 def empty_micro_batch() -> MicroBatch:

@@ -30,7 +30,8 @@ class TrainerGroup:
             lr_schedule=train.lr_schedule, min_lr_ratio=train.min_lr_ratio, estimator=algo.estimator, clip_low=algo.clip_low,
             clip_high=algo.clip_high, dual_clip=algo.dual_clip, kl_coef=algo.kl_coef,
             kl_estimator=algo.kl_estimator, kl_in_reward=algo.kl_in_reward, entropy_coef=algo.entropy_coef, is_level=algo.is_level,
-            is_mode=algo.is_mode, is_low=algo.is_low, is_high=algo.is_high)
+            is_mode=algo.is_mode, is_low=algo.is_low, is_high=algo.is_high, routing_replay=train.routing_replay,
+            freeze_moe_router=config.actor.freeze_moe_router)
         self.world_size = config.actor.world_size
         self.micro_batch_tokens, self.updates = train.micro_batch_tokens, train.updates_per_batch
         init_method = f"tcp://127.0.0.1:{_free_port()}"
@@ -50,7 +51,7 @@ class TrainerGroup:
         return total
 
     async def weights(self) -> dict:
-        return (await _gather([rank.full_weights.remote() for rank in self.ranks]))[0]
+        return (await _gather([rank.full_weights.remote(for_sync=True) for rank in self.ranks]))[0]
 
     async def open_channel(self, host: str, port: int, size: int, bucket_bytes: int) -> None:
         await _gather([rank.open_channel.remote(host, port, size, bucket_bytes) for rank in self.ranks])

@@ -137,6 +137,27 @@ def test_random_generator_states_round_trip():
     assert draw() == expected
 
 
+@pytest.mark.parametrize("freeze_router", [False, True])
+def test_moe_policy_with_routing_replay(tmp_path, ray_address, moe_dir, freeze_router):
+    """The transformers engine captures routes; the actor replays them; a frozen router stays put."""
+    import torch
+    from safetensors.torch import load_file
+
+    out = tmp_path / "moe"
+    rows = _train(out, ray_address, "--model", str(moe_dir), "--engine.name", "hf", "--steps", "2",
+                  "--train.async_queue_size", "0", "--train.routing_replay", "true",
+                  "--actor.freeze_moe_router", str(freeze_router).lower(), "--algo.filter_zero_variance", "false")
+    assert [r["routing/agreement"] for r in rows] == [1.0, 1.0]  # fp32, equal weights: the same experts
+    assert all(r["mismatch/max_abs"] < 1e-4 for r in rows)
+    before = load_file(moe_dir / "model.safetensors")
+    after = load_file(out / "checkpoints" / "step_000002" / "policy" / "model.safetensors")
+    routers = [name for name in before if name.endswith("mlp.gate.weight")]
+    assert routers
+    moved = {name: not torch.equal(before[name], after[name]) for name in before}
+    assert moved["lm_head.weight"]
+    assert all(moved[name] != freeze_router for name in routers), moved
+
+
 def test_env_from_a_file_with_the_transformers_engine(tmp_path, ray_address):
     path = tmp_path / "task.py"
     path.write_text("from molt_env import Env\n"

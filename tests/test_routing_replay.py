@@ -34,6 +34,18 @@ def test_agreement_by_hand():
     assert agreement(live, captured) == (3, 4)
 
 
+def test_engine_routes_are_fitted_to_the_sequence():
+    import numpy as np
+
+    from molt_agents.engines.stepped import fit_routes
+
+    short = np.arange(12).reshape(3, 2, 2)  # an engine that reported 3 of 5 positions
+    fitted = fit_routes(short, 5)
+    assert fitted.dtype == np.int16 and fitted.shape == (5, 2, 2)
+    assert (fitted[:3] == short).all() and (fitted[3:] == -1).all()
+    assert fit_routes(short, 2).shape == (2, 2, 2) and fit_routes(None, 4) is None
+
+
 def _samples(engine, tokenizer, n=6):
     prompt = render_prompt_ids(tokenizer, [{"role": "user", "content": "Name three colours and a number."}])
     return prompt, run(engine.generate(prompt, SamplingParams(max_tokens=24, n=n, seed=5)))

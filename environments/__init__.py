@@ -3,7 +3,7 @@
 Each is a small task built on molt_env and molt_agents only.
 """
 
-from molt_env import register
+from molt_env import register, register_family
 
 DEFAULT_ENV = "digit"
 
@@ -13,3 +13,4 @@ register("countdown", "environments.countdown:Countdown")
 register("guess_number", "environments.guess_number:GuessNumber")
 register("frozen_lake", "environments.frozen_lake:FrozenLake")
 register("python_tool", "environments.python_tool:PythonTool")
+register_family("reasoning_gym", "environments.reasoning_gym:ReasoningGym")

@@ -14,11 +14,11 @@ for _noisy in ("torchao", "torch.utils._pytree"):
     logging.getLogger(_noisy).setLevel(logging.ERROR)
 
 from molt_env.env import Env  # noqa: E402
-from molt_env.registry import make, register, registered  # noqa: E402
+from molt_env.registry import make, register, register_family, registered  # noqa: E402
 from molt_env.spaces import Chat, Text, as_messages  # noqa: E402
 from molt_env.trajectory import InvalidTrajectory, Trajectory, check, validate  # noqa: E402
 
 __all__ = [
     "Chat", "Env", "InvalidTrajectory", "Text", "Trajectory",
-    "as_messages", "check", "make", "register", "registered", "validate",
+    "as_messages", "check", "make", "register", "register_family", "registered", "validate",
 ]

@@ -3,6 +3,8 @@
 `make(spec)` accepts
   - a short name registered with `register` (`molt-train --env arithmetic`),
   - a Gymnasium id (`molt/Arithmetic-v0`, or any other registered id),
+  - `family:task` for a family registered with `register_family`
+    (`reasoning_gym:leg_counting`: one adapter, many tasks),
   - `package.module:Class`,
   - `path/to/file.py:Class`.
 Environments registered here are Gymnasium environments too:
@@ -20,6 +22,7 @@ from pathlib import Path
 import gymnasium
 
 _SHORT_NAMES: dict[str, str] = {}  # short name -> Gymnasium id
+_FAMILIES: dict[str, str] = {}  # family prefix -> entry point taking the task name first
 
 
 def gym_id(name: str) -> str:
@@ -36,6 +39,11 @@ def register(name: str, entry_point: str | type, **kwargs) -> str:
     gymnasium.register(id=env_id, entry_point=entry_point, kwargs=kwargs)
     _SHORT_NAMES[name] = env_id
     return env_id
+
+
+def register_family(prefix: str, entry_point: str) -> None:
+    """`make("prefix:task")` builds `entry_point(task)`: an adapter over a library of tasks."""
+    _FAMILIES[prefix] = entry_point
 
 
 def registered() -> dict[str, str]:
@@ -72,6 +80,9 @@ def load_class(spec: str):
 
 def make(spec: str, **kwargs):
     """Instantiate the environment named by `spec` (see the module docstring)."""
+    prefix, _, task = spec.partition(":")
+    if task and prefix in _FAMILIES:
+        return load_class(_FAMILIES[prefix])(task, **kwargs)
     if ":" in spec and not spec.startswith("molt/"):
         return load_class(spec)(**kwargs)
     env_id = _SHORT_NAMES.get(spec, spec)

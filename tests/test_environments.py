@@ -114,3 +114,17 @@ def test_python_tool_reports_bad_calls_and_hostile_code_as_tool_errors_and_goes_
 @pytest.mark.parametrize("reply,expected", [("The answer is 1,234.", 1234), ("-5 then 17", 17), ("no idea", None)])
 def test_python_tool_final_answer(reply, expected):
     assert final_answer(reply) == expected
+
+
+def test_reasoning_gym_adapter_builds_any_task_and_scores_with_it():
+    env = molt_env.make("reasoning_gym:leg_counting", size=50)
+    check_env(env, skip_render_check=True)
+    messages, info = env.reset(seed=4)
+    assert [m["role"] for m in messages] == ["system", "user"] and "<answer>" in messages[0]["content"]
+    assert env.step(f"Counting... <answer>{info['answer']}</answer>")[1] == 1.0
+    env.reset(seed=4)
+    assert env.step(f"<answer>{int(info['answer']) + 1}</answer>")[1] == 0.0
+    env.reset(seed=4)
+    assert env.step(f"{info['answer']} (no tags)")[1] == 0.0
+    with pytest.raises(ValueError, match="no task 'leg_countin'"):
+        molt_env.make("reasoning_gym:leg_countin")

@@ -32,7 +32,7 @@ def _digest(directory):
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "vlm"])
 def test_molt_tiny_is_deterministic(kind, tmp_path, capsys):
     molt_tiny(["--kind", kind, "--out", str(tmp_path / "a")])
     build_tiny(kind, tmp_path / "b")
@@ -58,6 +58,30 @@ def test_bad_sizes_are_refused_with_the_reason(tmp_path):
         build_tiny("dense", tmp_path, vocab_size=1000)
     with pytest.raises(ValueError, match="unknown tiny model kind"):
         build_tiny("rnn", tmp_path)
+    with pytest.raises(ValueError, match="multiple of patch_size"):
+        build_tiny("vlm", tmp_path, image_size=50)
+
+
+def test_tiny_vlm_loads_with_its_processor_and_sees_the_image():
+    import numpy as np
+    import torch
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from molt_agents.tiny import tiny_model
+
+    directory = tiny_model("vlm")
+    processor = AutoProcessor.from_pretrained(directory)  # no torchvision: the PIL image processor
+    model = AutoModelForImageTextToText.from_pretrained(directory, dtype=torch.float32)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many shapes?"}]}]
+    text = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    noise = Image.fromarray(np.random.default_rng(0).integers(0, 255, (80, 64, 3), dtype=np.uint8))
+    red = Image.new("RGB", (30, 90), "red")
+    a, b = (processor(text=[text], images=[image], return_tensors="pt") for image in (noise, red))
+    assert torch.equal(a["input_ids"], b["input_ids"])
+    assert int((a["input_ids"] == model.config.image_token_id).sum()) == (56 // 14) ** 2  # one per patch
+    with torch.no_grad():
+        assert (model(**a).logits - model(**b).logits).abs().max() > 1e-2, "the image made no difference"
 
 
 def test_chat_template_round_trips_tools_and_tool_calls(dense_dir):

@@ -1,4 +1,4 @@
-"""Build tiny Qwen3 (dense) and Qwen3-MoE checkpoints offline, deterministically.
+"""Build tiny Qwen3 (dense), Qwen3-MoE and vision-language checkpoints offline, deterministically.
 
 Every test and the default run use these models. They are Hugging Face
 checkpoints that both transformers and vLLM load, within the limits measured
@@ -25,10 +25,15 @@ from pathlib import Path
 
 from molt_agents.tiny.tokenizer import build_tokenizer
 
+IMAGE_TOKEN = "<|image_pad|>"  # the placeholder the processor repeats once per image patch
+
 # Bump when the builder's output changes for the same parameters.
 BUILDER_VERSION = 2
 
-KINDS = ("dense", "moe", "chat")  # chat: dense plus a short warm start (reply with a digit, end the turn)
+KINDS = ("dense", "moe", "chat", "vlm")
+# chat: dense plus a short warm start (reply with a digit, end the turn).
+# vlm: LLaVA-style: a CLIP vision tower and a projector in front of the dense Qwen3, with its processor.
+# (Its image processor is transformers' PIL one: torchvision does not import beside the CPU torch.)
 
 DEFAULTS = {
     "vocab_size": 1024,
@@ -42,6 +47,10 @@ DEFAULTS = {
     "top_k": 2,
     "moe_intermediate_size": 64,
     "max_position_embeddings": 4096,
+    "image_size": 56,  # vlm: images are resized to this square; (image_size / patch_size)^2 tokens each
+    "patch_size": 14,
+    "vision_hidden_size": 64,
+    "vision_layers": 1,
     "init_std": 0.1,  # wider than transformers' 0.02, so next-token distributions are not flat
     "seed": 0,
 }
@@ -68,6 +77,19 @@ def _config(kind: str, p: dict, tokenizer):
         from transformers import Qwen3Config
 
         return Qwen3Config(intermediate_size=p["intermediate_size"], **common)
+    if kind == "vlm":
+        from transformers import LlavaConfig
+
+        return LlavaConfig(
+            text_config=_config("dense", p, tokenizer).to_dict(),
+            vision_config=dict(model_type="clip_vision_model", hidden_size=p["vision_hidden_size"],
+                               intermediate_size=2 * p["vision_hidden_size"], num_hidden_layers=p["vision_layers"],
+                               num_attention_heads=p["vision_hidden_size"] // 32, image_size=p["image_size"],
+                               patch_size=p["patch_size"], projection_dim=p["hidden_size"],
+                               initializer_range=p["init_std"]),
+            image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN), vision_feature_select_strategy="default",
+            vision_feature_layer=-1, projector_hidden_act="gelu", tie_word_embeddings=False,
+            initializer_range=p["init_std"], torch_dtype="float32")
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(
@@ -87,6 +109,8 @@ def _check(kind: str, p: dict) -> None:
         raise ValueError(f"unknown tiny model kind {kind!r}; choose one of {', '.join(KINDS)}")
     if p["head_dim"] < 32:
         raise ValueError(f"head_dim={p['head_dim']} is too small: vLLM's CPU attention needs head_dim >= 32")
+    if p["image_size"] % p["patch_size"]:
+        raise ValueError(f"image_size={p['image_size']} must be a multiple of patch_size={p['patch_size']}")
     if p["vocab_size"] % 64:
         raise ValueError(f"vocab_size={p['vocab_size']} must be a multiple of 64")
     if p["num_heads"] % p["num_kv_heads"]:
@@ -107,7 +131,13 @@ def build_tiny(kind: str, out: str | Path, **sizes) -> Path:
     tokenizer = build_tokenizer(out, vocab_size=p["vocab_size"], seed=p["seed"])
     config = _config(kind, p, tokenizer)
     torch.manual_seed(p["seed"])
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if kind == "vlm":
+        from transformers import LlavaForConditionalGeneration
+
+        model = LlavaForConditionalGeneration(config).float()
+        _processor(tokenizer, p).save_pretrained(out)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if kind == "chat":
         from molt_agents.tiny.warm_start import warm_start
 
@@ -118,6 +148,17 @@ def build_tiny(kind: str, out: str | Path, **sizes) -> Path:
     )
     model.save_pretrained(out)
     return out
+
+
+def _processor(tokenizer, p: dict):
+    from transformers import LlavaProcessor
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    size = p["image_size"]
+    images = CLIPImageProcessorPil(size={"height": size, "width": size}, do_center_crop=False)
+    return LlavaProcessor(image_processor=images, tokenizer=tokenizer, chat_template=tokenizer.chat_template,
+                          patch_size=p["patch_size"], vision_feature_select_strategy="default",
+                          image_token=IMAGE_TOKEN, num_additional_image_tokens=1)
 
 
 # --------------------------------------------------------------------------

@@ -36,7 +36,7 @@ class Trajectory:
     finish_reason: str = ""  # of the last generation: "stop", "length", "tool_calls"
     truncated: bool = False  # the episode hit a turn or length budget
     routes: np.ndarray | None = None  # optional int16 [T, layers, top_k] expert ids, -1 where unknown
-    mm: dict | None = None  # optional multimodal tensors and their placeholder positions
+    mm: dict | None = None  # optional images: see `MultiModal` below
     info: dict[str, Any] = field(default_factory=dict)  # episode facts (step rewards, task data)
 
     @property
@@ -56,6 +56,8 @@ class Trajectory:
             routes = np.ascontiguousarray(self.routes, dtype=np.int16)
             record["routes"] = {"shape": list(routes.shape),
                                 "int16_base64": base64.b64encode(routes.tobytes()).decode()}
+        if self.mm is not None:
+            record["mm"] = {**self.mm, "tensors": {k: _encode(v) for k, v in self.mm["tensors"].items()}}
         return record
 
     def to_json(self) -> str:
@@ -68,6 +70,9 @@ class Trajectory:
         if routes is not None:
             data = np.frombuffer(base64.b64decode(routes["int16_base64"]), dtype=np.int16)
             record["routes"] = data.reshape(routes["shape"]).copy()
+        mm = record.get("mm")
+        if mm is not None:
+            record["mm"] = {**mm, "tensors": {k: _decode(v) for k, v in mm["tensors"].items()}}
         return cls(**record)
 
     @classmethod
@@ -95,6 +100,49 @@ class InvalidTrajectory(ValueError):
         self.reason = reason
 
 
+# Multimodal: `mm` holds what the model's processor produced for the images of this sequence,
+#   {"placeholder_id": int,            the token the processor repeats for each image
+#    "spans": [[start, length], ...],  each image's run of placeholder tokens in token_ids, in order
+#    "tensors": {name: np.ndarray}}    the forward's image arguments (e.g. pixel_values [images, C, H, W],
+#                                      or pixel_values [patches, dim] with image_grid_thw [images, 3])
+# The placeholders stay in token_ids exactly as the engine saw them; the tensors travel beside them.
+
+
+def _encode(array: np.ndarray) -> dict:
+    array = np.ascontiguousarray(array)
+    return {"dtype": str(array.dtype), "shape": list(array.shape), "base64": base64.b64encode(array.tobytes()).decode()}
+
+
+def _decode(record: dict) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(record["base64"]), dtype=record["dtype"]).reshape(record["shape"]).copy()
+
+
+def _check_mm(mm, token_ids: list[int]) -> str | None:
+    """What is wrong with `mm` for these tokens, or None."""
+    if not isinstance(mm, dict) or not {"placeholder_id", "spans", "tensors"} <= set(mm):
+        return "mm needs placeholder_id, spans and tensors"
+    spans, tensors, placeholder = mm["spans"], mm["tensors"], mm["placeholder_id"]
+    covered = 0
+    for start, length in spans:
+        if start < 0 or length < 1 or start + length > len(token_ids):
+            return f"span {[start, length]} is outside the {len(token_ids)} tokens"
+        if any(t != placeholder for t in token_ids[start: start + length]):
+            return f"span {[start, length]} holds tokens other than the placeholder {placeholder}"
+        covered += length
+    if sum(t == placeholder for t in token_ids) != covered:
+        return "placeholder tokens outside the spans"
+    pixels = tensors.get("pixel_values")
+    if pixels is None:
+        return "no pixel_values"
+    grid = tensors.get("image_grid_thw")
+    images = len(grid) if grid is not None else len(pixels)
+    if images != len(spans):
+        return f"{len(spans)} placeholder spans for {images} images"
+    if grid is not None and int(np.prod(grid, axis=1).sum()) != len(pixels):
+        return f"image_grid_thw covers {int(np.prod(grid, axis=1).sum())} patches, pixel_values has {len(pixels)}"
+    return None
+
+
 REASONS = (
     "empty",                      # no tokens at all
     "length_mismatch",            # logprobs / mask / versions not aligned with token_ids
@@ -105,6 +153,7 @@ REASONS = (
     "trainable_without_logprob",  # a sampled token with no (or an impossible) engine logprob
     "trainable_without_version",  # a sampled token with no engine weight version
     "routes_mismatch",            # routes not [T, layers, top_k] int16 for these tokens
+    "mm_mismatch",                # image placeholders and image tensors do not agree
     "bad_reward",                 # reward not a finite number
 )
 
@@ -142,6 +191,10 @@ def check(trajectory: Trajectory) -> None:
             dtype = getattr(routes, "dtype", type(routes).__name__)
             raise InvalidTrajectory("routes_mismatch", f"routes {shape} {dtype} for {n} tokens; "
                                     "want int16 [tokens, layers, top_k]")
+    if t.mm is not None:
+        problem = _check_mm(t.mm, t.token_ids)
+        if problem:
+            raise InvalidTrajectory("mm_mismatch", problem)
     if not isinstance(t.reward, (int, float)) or not math.isfinite(t.reward):
         raise InvalidTrajectory("bad_reward", f"reward {t.reward!r}")
 

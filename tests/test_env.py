@@ -109,6 +109,44 @@ def test_valid_trajectory_round_trips_through_json():
     assert again.info == {"x": 3}
 
 
+# Two images of 2 placeholder tokens (id 9) each, then the reply.
+IMAGES = dict(token_ids=[9, 9, 1, 9, 9, 2, 7, 8], logprobs=[None] * 6 + [-0.5, -1.0], mask=[0] * 6 + [1, 1],
+              versions=[-1] * 6 + [0, 0])
+
+
+def _mm(spans=((0, 2), (3, 2)), images=2, **tensors):
+    return {"placeholder_id": 9, "spans": [list(s) for s in spans],
+            "tensors": {"pixel_values": np.arange(images * 3 * 2 * 2, dtype=np.float32).reshape(images, 3, 2, 2),
+                        **tensors}}
+
+
+def test_image_trajectory_round_trips_with_its_tensors():
+    grid = {"pixel_values": np.ones((8, 6), np.float32), "image_grid_thw": np.array([[1, 2, 2], [1, 2, 2]])}
+    for mm in (_mm(), {**_mm(), "tensors": grid}):  # LLaVA-style, and Qwen-VL-style patches with a grid
+        trajectory = _good(**IMAGES, mm=mm)
+        check(trajectory)
+        again = Trajectory.from_json(trajectory.to_json())
+        assert again.mm["spans"] == mm["spans"] and again.mm["placeholder_id"] == 9
+        for name, tensor in mm["tensors"].items():
+            assert again.mm["tensors"][name].dtype == tensor.dtype and np.array_equal(again.mm["tensors"][name], tensor)
+
+
+@pytest.mark.parametrize("mm,needle", [
+    (_mm(spans=((0, 2),), images=1), "placeholder tokens outside the spans"),
+    (_mm(spans=((0, 3), (3, 2))), "other than the placeholder"),
+    (_mm(spans=((0, 2), (7, 2))), "outside the 8 tokens"),
+    (_mm(images=3), "2 placeholder spans for 3 images"),
+    ({**_mm(), "tensors": {"pixel_values": np.ones((7, 6), np.float32),
+                           "image_grid_thw": np.array([[1, 2, 2], [1, 2, 2]])}}, "covers 8 patches"),
+    ({"spans": []}, "needs placeholder_id"),
+])
+def test_validator_checks_images_against_their_placeholders(mm, needle):
+    trajectory = _good(**IMAGES, mm=mm)
+    assert validate(trajectory) == "mm_mismatch"
+    with pytest.raises(InvalidTrajectory, match=needle):
+        check(trajectory)
+
+
 @pytest.mark.parametrize("changes,reason", [
     (dict(token_ids=[], logprobs=[], mask=[], versions=[]), "empty"),
     (dict(mask=[0, 0, 1]), "length_mismatch"),

@@ -15,6 +15,7 @@ import uuid
 
 from molt_agents.chat_template import render_text
 from molt_agents.engines.base import SamplingParams
+from molt_agents.multimodal import chat_images, for_template
 from molt_agents.segment import Segment
 from molt_env.spaces import as_messages
 from molt_env.trajectory import Trajectory
@@ -22,12 +23,15 @@ from molt_env.trajectory import Trajectory
 
 async def run_episode(env, engine, tokenizer, params: SamplingParams, *, max_total_tokens: int,
                       seed: int | None = None, options: dict | None = None,
-                      rollout_id: str | None = None, group_id: str = "") -> list[Trajectory]:
-    """Play one episode of `env` with the policy behind `engine`; returns its segments."""
+                      rollout_id: str | None = None, group_id: str = "", vision=None) -> list[Trajectory]:
+    """Play one episode of `env` with the policy behind `engine`; returns its segments.
+
+    `vision` (a `multimodal.Vision`) lets observations carry images."""
     observation, reset_info = await env.areset(seed=seed, options=options)
     messages = as_messages(observation)
     tools = getattr(env, "tools", None)
-    segment = Segment.from_text(tokenizer, render_text(tokenizer, messages, tools))
+    segment = Segment.from_text(tokenizer, render_text(tokenizer, for_template(messages), tools), vision,
+                                chat_images(messages))
     segments = [segment]
     step_rewards: list[float] = []
     truncated = False
@@ -38,7 +42,7 @@ async def run_episode(env, engine, tokenizer, params: SamplingParams, *, max_tot
             truncated = True
             break
         turn_params = dataclasses.replace(params, n=1, max_tokens=min(params.max_tokens, budget))
-        (sample,) = await engine.generate(segment.token_ids, turn_params)
+        (sample,) = await engine.generate(segment.token_ids, turn_params, images=segment.image_inputs())
         segment.append_sample(sample)
         reply = tokenizer.decode(sample.token_ids, skip_special_tokens=True)
         observation, reward, terminated, truncated, _ = await env.astep(reply)
@@ -49,9 +53,9 @@ async def run_episode(env, engine, tokenizer, params: SamplingParams, *, max_tot
             truncated = True
             break
         messages = messages + [{"role": "assistant", "content": reply}] + as_messages(observation)
-        rendered = render_text(tokenizer, messages, tools)
-        if not segment.extend_to(rendered):  # the template rewrote history: seal, start anew
-            segment = Segment.from_text(tokenizer, rendered)
+        rendered, images = render_text(tokenizer, for_template(messages), tools), chat_images(messages)
+        if not segment.extend_to(rendered, images):  # the template rewrote history: seal, start anew
+            segment = Segment.from_text(tokenizer, rendered, vision, images)
             segments.append(segment)
 
     rollout_id = rollout_id or uuid.uuid4().hex

@@ -10,6 +10,12 @@ If not, the history was rewritten and the caller starts a new segment.
 
 Earlier generated text is never re-tokenized: decode-then-encode is not the
 identity for byte-level BPE, and the tokens trained must be the tokens sampled.
+
+Images: with a `Vision` processor, the prompt and every delta go through the
+model's processor, which expands each image placeholder into the model's
+image tokens; the segment keeps each image's tensors and its span of
+placeholder tokens. Its `text` shows each span as the single placeholder the
+chat template writes, so a re-rendered conversation still lines up.
 """
 
 from __future__ import annotations
@@ -31,18 +37,45 @@ class Segment:
     versions: list[int] = field(default_factory=list)
     finish_reason: str = ""
     routes: np.ndarray | None = None  # int16 [positions seen so far, layers, top_k], -1 where unknown
+    vision: object | None = None  # a `multimodal.Vision` when the policy sees images
+    spans: list[list[int]] = field(default_factory=list)  # [start, length] of each image's placeholder tokens
+    images: list[dict] = field(default_factory=list)  # each image's processor tensors, in order
 
     @classmethod
-    def from_text(cls, tokenizer, text: str) -> Segment:
-        """A new segment whose prompt is `text` (already rendered by the chat template)."""
-        segment = cls(tokenizer)
-        segment.append_context(tokenizer.encode(text, add_special_tokens=False))
+    def from_text(cls, tokenizer, text: str, vision=None, images: list = ()) -> Segment:
+        """A new segment whose prompt is `text` (already rendered by the chat template) with its images."""
+        segment = cls(tokenizer, vision=vision)
+        segment._append_rendered(text, list(images))
         return segment
 
     @property
     def text(self) -> str:
-        """The text these exact tokens spell."""
-        return self.tokenizer.decode(self.token_ids, skip_special_tokens=False)
+        """The text these exact tokens spell (each image's span as one placeholder, as the template writes it)."""
+        ids, cursor = [], 0
+        for start, length in self.spans:
+            ids += self.token_ids[cursor: start + 1]
+            cursor = start + length
+        return self.tokenizer.decode(ids + self.token_ids[cursor:], skip_special_tokens=False)
+
+    def image_inputs(self) -> dict[str, np.ndarray] | None:
+        """The forward's image arguments for this sequence (None without images)."""
+        from molt_agents.multimodal import join_images
+
+        return join_images(self.images) if self.images else None
+
+    def _append_rendered(self, text: str, new_images: list) -> None:
+        if self.vision is None:
+            if new_images:
+                raise ValueError("this policy takes no images: it is not a vision-language model")
+            self.append_context(self.tokenizer.encode(text, add_special_tokens=False))
+            return
+        ids, tensors = self.vision.encode(text, new_images)
+        runs = _runs(ids, self.vision.placeholder_id)
+        if len(runs) != len(new_images):
+            raise ValueError(f"{len(runs)} image placeholders for {len(new_images)} images")
+        self.spans += [[len(self.token_ids) + start, length] for start, length in runs]
+        self.images += tensors
+        self.append_context(ids)
 
     def append_context(self, token_ids: list[int]) -> None:
         """Tokens the policy did not sample (prompt, env or tool turns): never trained."""
@@ -71,18 +104,19 @@ class Segment:
         self.routes[: len(rows)][unknown] = rows[: known][unknown[: len(rows)]]
         self.routes = np.concatenate([self.routes, rows[known:]])
 
-    def extend_to(self, rendered: str) -> bool:
-        """Append the tokens of `rendered` beyond what this segment spells.
+    def extend_to(self, rendered: str, images: list = ()) -> bool:
+        """Append the tokens of `rendered` beyond what this segment spells; `images` are all the
+        conversation's images, of which those past this segment's own are new.
 
         Returns False, changing nothing, when `rendered` does not extend this
         segment's text (the history was rewritten).
         """
         current = self.text
-        if not rendered.startswith(current):
+        if not rendered.startswith(current) or len(images) < len(self.images):
             return False
         delta = rendered[len(current):]
         if delta:
-            self.append_context(self.tokenizer.encode(delta, add_special_tokens=False))
+            self._append_rendered(delta, list(images[len(self.images):]))
         return True
 
     def truncate(self, length: int) -> None:
@@ -91,13 +125,16 @@ class Segment:
             del getattr(self, name)[length:]
         if self.routes is not None:
             self.routes = self.routes[:length]
+        kept = sum(start < length for start, _ in self.spans)
+        del self.spans[kept:], self.images[kept:]
 
     def fork(self) -> Segment:
         """A copy whose existing tokens are context only, for a sibling choice (`n > 1`).
 
         The shared prefix is trained once, in the original.
         """
-        twin = Segment(self.tokenizer)
+        twin = Segment(self.tokenizer, vision=self.vision, spans=[list(s) for s in self.spans],
+                       images=list(self.images))
         twin.append_context(list(self.token_ids))
         twin.routes = None if self.routes is None else self.routes.copy()
         return twin
@@ -107,5 +144,22 @@ class Segment:
         if self.routes is not None:  # context appended after the last sample was never routed
             routes = np.full((len(self.token_ids), *self.routes.shape[1:]), -1, dtype=np.int16)
             routes[: len(self.routes)] = self.routes[: len(self.token_ids)]
+        mm = None
+        if self.images:
+            mm = {"placeholder_id": self.vision.placeholder_id, "spans": [list(s) for s in self.spans],
+                  "tensors": self.image_inputs()}
         return Trajectory(token_ids=list(self.token_ids), logprobs=list(self.logprobs), mask=list(self.mask),
-                          versions=list(self.versions), finish_reason=self.finish_reason, routes=routes, **facts)
+                          versions=list(self.versions), finish_reason=self.finish_reason, routes=routes, mm=mm,
+                          **facts)
+
+
+def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:
+    """(start, length) of each run of `token` in `ids`."""
+    runs, start = [], None
+    for i, t in enumerate(ids + [None]):
+        if t == token and start is None:
+            start = i
+        elif t != token and start is not None:
+            runs.append((start, i - start))
+            start = None
+    return runs

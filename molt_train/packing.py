@@ -24,6 +24,7 @@ class MicroBatch:
     advantages: torch.Tensor  # [N] float
     engine_logprobs: torch.Tensor  # [N] float, 0 where not sampled
     routes: torch.Tensor | None = None  # [N, layers, top_k] int16 engine expert ids, -1 where unknown
+    images: dict[str, torch.Tensor] | None = None  # the forward's image arguments, sequence after sequence
 
     @property
     def num_tokens(self) -> int:
@@ -31,7 +32,8 @@ class MicroBatch:
 
 
 def pack(items: list[dict], token_budget: int) -> list[MicroBatch]:
-    """Pack `items` (dicts with token_ids, mask, advantage, logprobs, optional routes) into micro-batches.
+    """Pack `items` (dicts with token_ids, mask, advantage, logprobs, optional routes and images) into
+    micro-batches.
 
     Greedy in the given order; a sequence longer than the budget gets a micro-batch of its own.
     """
@@ -60,7 +62,15 @@ def _micro_batch(items: list[dict]) -> MicroBatch:
         logprobs += [0.0 if lp is None else lp for lp in item["logprobs"]]
     return MicroBatch(torch.tensor(ids), torch.tensor(positions), torch.tensor(sequence),
                       torch.tensor(mask, dtype=torch.float32), torch.tensor(advantages, dtype=torch.float32),
-                      torch.tensor(logprobs, dtype=torch.float32), _routes(items))
+                      torch.tensor(logprobs, dtype=torch.float32), _routes(items), _images(items))
+
+
+def _images(items: list[dict]) -> dict[str, torch.Tensor] | None:
+    """The items' image tensors end to end, in the order their placeholders appear in the packed row."""
+    images = [item["images"] for item in items if item.get("images")]
+    if not images:
+        return None
+    return {name: torch.cat([torch.as_tensor(i[name]) for i in images]) for name in images[0]}
 
 
 def _routes(items: list[dict]) -> torch.Tensor | None:

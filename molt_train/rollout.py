@@ -32,7 +32,10 @@ class RolloutWorker:
         from molt_agents.engines import make_engine
 
         self.env_spec, self.max_total_tokens, self.episode_timeout = env, max_total_tokens, episode_timeout
+        from molt_agents.multimodal import Vision
+
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.vision = Vision(model_dir) if Vision.available(model_dir) else None  # observations may carry images
         self.engine = make_engine(engine["name"], model_dir, dtype=engine["dtype"], seed=seed,
                                   max_model_len=engine["max_model_len"])
         self.engine.version = version  # a resumed run continues the version count
@@ -80,7 +83,8 @@ class RolloutWorker:
             else:
                 episode = run_episode(env, self.engine, self.tokenizer, params,
                                       max_total_tokens=self.max_total_tokens, seed=env_seed,
-                                      rollout_id=f"{group_index}-{index}", group_id=str(group_index))
+                                      rollout_id=f"{group_index}-{index}", group_id=str(group_index),
+                                      vision=self.vision)
             return await asyncio.wait_for(episode, self.episode_timeout)
         except asyncio.TimeoutError:  # a hung environment or agent (its thread, if any, is abandoned)
             return f"timeout: the episode took over {self.episode_timeout} s"

@@ -57,8 +57,12 @@ class Engine(Protocol):
 
     version: int  # weight version; bumped by every update_weights
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, on_tokens=None) -> list[Sample]:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, on_tokens=None,
+                       images: dict | None = None) -> list[Sample]:
         """Sample `params.n` completions of `prompt_ids`.
+
+        `images`, for a vision-language model: the processor's tensors (`pixel_values`, ...) for the
+        image placeholder tokens in `prompt_ids`, in order.
 
         `on_tokens(choice_index, progress)`, if given, is called on the caller's
         event loop with each step's new tokens (`progress.token_ids`, `.logprobs`).

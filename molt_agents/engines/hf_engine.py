@@ -51,6 +51,24 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     return token, float(logprobs[token]), top
 
 
+def load_model(model_dir: str | Path, dtype):
+    """A Hugging Face causal LM, or an image-text-to-text model when the config has a vision tower."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    path = Path(model_dir) / "config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+    auto = AutoModelForImageTextToText if "vision_config" in config else AutoModelForCausalLM
+    return auto.from_pretrained(str(model_dir), dtype=dtype)
+
+
+def as_model_input(tensor: torch.Tensor, model) -> torch.Tensor:
+    """An input tensor on the model's device, floats in its dtype."""
+    dtype = model.dtype if tensor.is_floating_point() else tensor.dtype
+    return tensor.to(device=model.device, dtype=dtype)
+
+
 def router_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The top-k routers of a mixture-of-experts model, in layer order (empty for dense models)."""
     return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
@@ -62,16 +80,17 @@ class _Request:
     params: SamplingParams
     generator: torch.Generator | None
     prompt_len: int
+    images: dict | None = None  # the processor's image tensors for this prompt's placeholders
     routes: list[np.ndarray] = field(default_factory=list)  # per position: [layers, top_k]
 
 
 class HFEngine(SteppedEngine):
     def __init__(self, model: str | Path, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 4096,
                  max_batch: int = 32, device: str | None = None):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model = AutoModelForCausalLM.from_pretrained(str(model), dtype=getattr(torch, dtype)).to(self.device)
+        self.model = load_model(model, getattr(torch, dtype)).to(self.device)
         self.model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(str(model))  # for stop strings
         eos = self.model.generation_config.eos_token_id
@@ -84,13 +103,13 @@ class HFEngine(SteppedEngine):
             router.register_forward_hook(lambda module, args, output: self._captured.append(output[-1]))
         super().__init__()
 
-    def _backend_start(self, request_id, prompt_ids, params: SamplingParams, index):
+    def _backend_start(self, request_id, prompt_ids, params: SamplingParams, index, images=None):
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit max_model_len={self.max_model_len}")
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed + index)
-        self._requests[request_id] = _Request(list(prompt_ids), params, generator, len(prompt_ids))
+        self._requests[request_id] = _Request(list(prompt_ids), params, generator, len(prompt_ids), images)
 
     def _backend_has_work(self) -> bool:
         return bool(self._requests)
@@ -118,9 +137,12 @@ class HFEngine(SteppedEngine):
             input_ids[row, width - len(request.ids):] = torch.tensor(request.ids)
             attention[row, width - len(request.ids):] = 1
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        images = [r.images for _, r in batch if r.images]  # in row order, as the placeholders are
+        extra = {name: as_model_input(torch.from_numpy(np.concatenate([i[name] for i in images])), self.model)
+                 for name in images[0]} if images else {}
         self._captured.clear()
         logits = self.model(input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
-                            position_ids=positions.to(self.device)).logits[:, -1]
+                            position_ids=positions.to(self.device), **extra).logits[:, -1]
         layers = [c.reshape(len(batch), width, -1).cpu() for c in self._captured]
 
         progress = []

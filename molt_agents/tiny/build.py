@@ -28,11 +28,11 @@ from molt_agents.tiny.tokenizer import build_tokenizer
 IMAGE_TOKEN = "<|image_pad|>"  # the placeholder the processor repeats once per image patch
 
 # Bump when the builder's output changes for the same parameters.
-BUILDER_VERSION = 2
+BUILDER_VERSION = 3
 
 KINDS = ("dense", "moe", "chat", "vlm")
 # chat: dense plus a short warm start (reply with a digit, end the turn).
-# vlm: LLaVA-style: a CLIP vision tower and a projector in front of the dense Qwen3, with its processor.
+# vlm: LLaVA-style: a CLIP vision tower and a projector in front of the chat model, with its processor.
 # (Its image processor is transformers' PIL one: torchvision does not import beside the CPU torch.)
 
 DEFAULTS = {
@@ -138,7 +138,7 @@ def build_tiny(kind: str, out: str | Path, **sizes) -> Path:
         _processor(tokenizer, p).save_pretrained(out)
     else:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if kind == "chat":
+    if kind in ("chat", "vlm"):
         from molt_agents.tiny.warm_start import warm_start
 
         with _single_thread():  # bit-identical across runs

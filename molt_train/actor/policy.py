@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from molt_agents.engines.hf_engine import as_model_input, load_model
 from molt_train.actor import fsdp
 from molt_train.actor.routing_replay import RoutingReplay, freeze_routers, router_modules
 from molt_train.algorithms.advantages import kl_penalized_advantages
@@ -67,7 +68,8 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str, min
 
 def token_logprobs(model, mb: MicroBatch, with_entropy: bool = False):
     """Logprob of every token given the ones before it in its sequence ([N]; 0 at sequence starts)."""
-    out = model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None], use_cache=False)
+    images = {name: as_model_input(tensor, model) for name, tensor in (mb.images or {}).items()}
+    out = model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None], use_cache=False, **images)
     logits = out.logits[0, :-1].float()
     targets = mb.input_ids[1:]
     logprobs = torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0]
@@ -82,12 +84,10 @@ def token_logprobs(model, mb: MicroBatch, with_entropy: bool = False):
 class PolicyRank:
     def __init__(self, model_dir: str, rank: int, world_size: int, init_method: str, settings: TrainSettings,
                  seed: int = 0, backend: str = "fsdp2", with_reference: bool = False):
-        from transformers import AutoModelForCausalLM
-
         torch.manual_seed(seed)
         self.rank, self.world_size, self.settings = rank, world_size, settings
         self.device = fsdp.init_process_group(rank, world_size, init_method)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model = load_model(model_dir, torch.float32)
         if settings.freeze_moe_router:
             freeze_routers(model)
         # Routers of a MoE policy are hooked: to replay the engine's experts, and to measure agreement.
@@ -96,7 +96,7 @@ class PolicyRank:
         self.frozen = {name for name, p in self.model.named_parameters() if not p.requires_grad}
         self.reference = None
         if with_reference:
-            self.reference = self._shard(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), backend)
+            self.reference = self._shard(load_model(model_dir, torch.float32), backend)
             self.reference.requires_grad_(False)
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=settings.lr,
                                            weight_decay=settings.weight_decay)

@@ -23,7 +23,7 @@ def first_digit(reply: str) -> int | None:
     return int(found.group()) if found else None
 
 
-def draw(rng: np.random.Generator, count: int, size: int = 56, grid: int = 3):
+def draw(rng: np.random.Generator, count: int, size: int = 56, grid: int = 2):
     """An RGB picture of `count` shapes, each in its own cell of a `grid` x `grid` layout."""
     from PIL import Image, ImageDraw
 
@@ -45,13 +45,13 @@ def draw(rng: np.random.Generator, count: int, size: int = 56, grid: int = 3):
 
 
 class Shapes(Env):
-    def __init__(self, max_shapes: int = 3, size: int = 56):
-        self.max_shapes, self.size = max_shapes, size
+    def __init__(self, max_shapes: int = 3, size: int = 56, grid: int = 2):
+        self.max_shapes, self.size, self.grid = max_shapes, size, grid
 
     def reset(self, *, seed=None, options=None):
         super().reset(seed=seed)
         self.count = int(self.np_random.integers(1, self.max_shapes + 1))
-        image = draw(self.np_random, self.count, self.size)
+        image = draw(self.np_random, self.count, self.size, self.grid)
         message = {"role": "user", "content": [
             {"type": "image", "image": image},
             {"type": "text", "text": "How many shapes are in the picture? Reply with one digit."}]}

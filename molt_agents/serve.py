@@ -25,12 +25,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--trajectories", type=Path, default=None, help="append finished sessions here (JSON lines)")
     parser.add_argument("--max-model-len", type=int, default=4096, help="context window in tokens")
     parser.add_argument("--dtype", default="float32", help="engine weight dtype")
+    parser.add_argument("--allow-remote-images", action="store_true",
+                        help="fetch http(s) image URLs (default: only inline data: URLs are accepted)")
     args = parser.parse_args(argv)
 
     from transformers import AutoTokenizer
 
     from molt_agents.engines import make_engine
     from molt_agents.loopback import Loopback
+    from molt_agents.multimodal import ImageLimits, Vision
     from molt_agents.tiny import tiny_model
 
     model = args.model or str(tiny_model("dense"))
@@ -46,7 +49,8 @@ def main(argv: list[str] | None = None) -> None:
 
     loopback = Loopback(engine, tokenizer, model_name=Path(model).name, host=args.host, port=args.port,
                         api_key=args.api_key, max_model_len=args.max_model_len, auto_sessions=True,
-                        on_finish=write)
+                        on_finish=write, vision=Vision(model) if Vision.available(model) else None,
+                        image_limits=ImageLimits(allow_remote=args.allow_remote_images))
     loopback.start()
     print(f"molt-serve: model {model}", flush=True)
     print(f"base URL: {loopback.base_url('<session>')}", flush=True)

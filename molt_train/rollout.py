@@ -47,7 +47,7 @@ class RolloutWorker:
 
             self.agent = load_class(agent)()
             self.loopback = Loopback(self.engine, self.tokenizer, max_model_len=engine["max_model_len"],
-                                     default_max_tokens=self.params.max_tokens)
+                                     default_max_tokens=self.params.max_tokens, vision=self.vision)
         self.in_flight = 0
         self.idle = asyncio.Event()
         self.idle.set()

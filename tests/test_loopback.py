@@ -275,7 +275,7 @@ def _post(loopback, path, body=None, key=None, raw=None, headers=None):
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400, "tool_choice"),
     ({"messages": [{"role": "user", "content": "x" * 5000}]}, 400, "context window"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,"}},
-                                                {"type": "text", "text": "x"}]}]}, 400, "has an image"),
+                                                {"type": "text", "text": "x"}]}]}, 400, "not a vision-language model"),
 ])
 def test_bad_requests_get_a_named_4xx(loopback, body, status, needle):
     session = loopback.open_session().id

@@ -101,14 +101,6 @@ class ChatRequest(_Request):
                            code="unsupported_parameter")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
-        for i, message in enumerate(self.messages):
-            content = message.get("content")
-            if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") in ("image_url", "image")
-                                                 for p in content):
-                # Until images travel to the engine and the actor, a placeholder without pixels would be
-                # trained as if it were the image: refuse rather than train on something else.
-                raise APIError(400, f"messages[{i}] has an image: this loopback serves text only",
-                               param=f"messages[{i}].content", code="unsupported_content")
 
     @property
     def max_new_tokens(self) -> int | None:

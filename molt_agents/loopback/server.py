@@ -9,6 +9,10 @@ token id, logprob and weight version is recorded behind its back:
     GET  /s/<session>/v1/models
     POST /s/<session>/finish                {"reward": 1.0} -> the session's trajectories
 
+A vision-language policy (`vision`) takes images as `image_url` content parts
+with `data:` URLs (base64 PNG / JPEG / WebP / GIF); http(s) URLs are fetched
+only when `image_limits.allow_remote` is set.
+
 All routes need `Authorization: Bearer <api_key>` (a fresh key per run by
 default). Bad input gets a 4xx with an OpenAI-style error body and leaves
 the session as it was.
@@ -35,6 +39,7 @@ from molt_agents.loopback import protocol, streaming
 from molt_agents.loopback.protocol import APIError, ChatRequest, CompletionRequest
 from molt_agents.loopback.session import Session
 from molt_agents.loopback.streaming import ReplyText
+from molt_agents.multimodal import ImageError, ImageLimits, chat_images, for_template, is_image_part
 from molt_agents.tool_calls import parse_reply
 from molt_env.trajectory import Trajectory
 
@@ -50,8 +55,10 @@ class Loopback:
     def __init__(self, engine, tokenizer, *, model_name: str = "policy", host: str = "127.0.0.1",
                  port: int = 0, api_key: str | None = None, max_model_len: int = 4096,
                  default_max_tokens: int = 512, max_body_bytes: int = 8 << 20, auto_sessions: bool = False,
-                 on_finish: Callable[[list[Trajectory]], None] | None = None):
+                 on_finish: Callable[[list[Trajectory]], None] | None = None, vision=None,
+                 image_limits: ImageLimits = ImageLimits()):
         self.engine, self.tokenizer = engine, tokenizer
+        self.vision, self.image_limits = vision, image_limits
         self.model_name, self.host, self.port = model_name, host, port
         self.api_key = api_key or secrets.token_urlsafe(24)
         self.max_model_len, self.default_max_tokens = max_model_len, default_max_tokens
@@ -72,7 +79,7 @@ class Loopback:
             if session_id in self.sessions:
                 raise ValueError(f"session {session_id!r} already exists")
             session = Session(session_id, self.tokenizer, rollout_id=rollout_id, group_id=group_id,
-                              defaults=dict(defaults or {}))
+                              defaults=dict(defaults or {}), vision=self.vision)
             self.sessions[session_id] = session
         return session
 
@@ -180,8 +187,9 @@ class Loopback:
         async def chat_completions(session_id: str, request: Request):
             body = protocol.parse(ChatRequest, await self._read_json(request))
             session = self._session(session_id)
-            rendered = render_text(self.tokenizer, body.messages, body.tools)
-            return await self._respond(session, lambda: session.base_for_text(rendered), body,
+            images = self._images(body.messages)
+            rendered = render_text(self.tokenizer, for_template(body.messages), body.tools)
+            return await self._respond(session, lambda: session.base_for_text(rendered, images), body,
                                        top=body.top_logprobs or 0)
 
         @app.post("/s/{session_id}/v1/completions")
@@ -205,6 +213,17 @@ class Loopback:
                     "trainable_tokens": sum(t.num_trainable for t in trajectories)}
 
         return app
+
+    def _images(self, messages: list[dict]) -> list:
+        if self.vision is None and any(isinstance(m.get("content"), list) and any(map(is_image_part, m["content"]))
+                                       for m in messages):
+            raise APIError(400, "the request has images, but this policy is not a vision-language model",
+                           param="messages", code="invalid_image")
+        try:
+            images = chat_images(messages, self.image_limits)
+        except ImageError as error:
+            raise APIError(400, str(error), param="messages", code="invalid_image") from None
+        return images
 
     async def _read_json(self, request: Request):
         declared = request.headers.get("content-length")
@@ -269,7 +288,8 @@ class Loopback:
         )
         if on_start is not None:
             on_start()
-        return await self.engine.generate(list(base.token_ids), params, on_tokens=on_tokens)
+        return await self.engine.generate(list(base.token_ids), params, on_tokens=on_tokens,
+                                          images=base.image_inputs())
 
     @staticmethod
     def _stop(session: Session, body) -> list[str]:

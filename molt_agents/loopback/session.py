@@ -28,13 +28,14 @@ class Session:
     open: list[Segment] = field(default_factory=list)  # the last reply's choices, extendable
     finished: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    vision: object | None = None  # the policy's image processor, for a vision-language model
 
-    def base_for_text(self, rendered: str) -> Segment:
-        """The segment to continue for a prompt that renders to `rendered`."""
+    def base_for_text(self, rendered: str, images: list = ()) -> Segment:
+        """The segment to continue for a prompt that renders to `rendered` (with the conversation's `images`)."""
         for segment in self.open:
-            if segment.extend_to(rendered):
+            if segment.extend_to(rendered, images):
                 return segment
-        segment = Segment.from_text(self.tokenizer, rendered)
+        segment = Segment.from_text(self.tokenizer, rendered, self.vision, images)
         self.segments.append(segment)
         return segment
 

@@ -86,7 +86,8 @@ def _load(part: dict, where: str, limits: ImageLimits):
         raise ImageError(f"{where}: image_url needs {{'url': ...}}")
     if url.startswith(("http://", "https://")):
         if not limits.allow_remote:
-            raise ImageError(f"{where}: remote image URLs are not fetched (allow them with --allow-remote-images); "
+            raise ImageError(f"{where}: remote image URLs are not fetched (allow them: molt-serve --allow-remote-images, "
+                             "molt-train --rollout.allow_remote_images true); "
                              "send the image inline as a data: URL")
         data = _fetch(url, limits, where)
     elif url.startswith("data:"):

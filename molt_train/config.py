@@ -43,6 +43,8 @@ class RolloutConfig:
     """Token budget of a whole episode (prompt, turns and replies)."""
     episode_timeout: float = 300.0
     """Seconds an episode may take; past it the episode is dropped (counted as a failure) and the run goes on."""
+    allow_remote_images: bool = False
+    """--agent runs: let the loopback fetch http(s) image URLs (default: only inline data: URLs)."""
     partial_rollout: bool = True
     """Requests in flight continue under new weights after a sync; off, they finish on the old ones first."""
 

@@ -25,7 +25,8 @@ class RolloutWorker:
     """One engine and the episodes it plays (run as a Ray actor)."""
 
     def __init__(self, model_dir: str, env: str, engine: dict, sampling: dict, max_total_tokens: int,
-                 seed: int = 0, version: int = 0, agent: str | None = None, episode_timeout: float = 300.0):
+                 seed: int = 0, version: int = 0, agent: str | None = None, episode_timeout: float = 300.0,
+                 allow_remote_images: bool = False):
         import environments  # noqa: F401  (registers the bundled environments)
         from transformers import AutoTokenizer
 
@@ -43,11 +44,13 @@ class RolloutWorker:
         self.agent, self.loopback, self.serving = None, None, None
         if agent is not None:  # episodes are played by the user's agent through the loopback
             from molt_agents.loopback import Loopback
+            from molt_agents.multimodal import ImageLimits
             from molt_env.registry import load_class
 
             self.agent = load_class(agent)()
             self.loopback = Loopback(self.engine, self.tokenizer, max_model_len=engine["max_model_len"],
-                                     default_max_tokens=self.params.max_tokens, vision=self.vision)
+                                     default_max_tokens=self.params.max_tokens, vision=self.vision,
+                                     image_limits=ImageLimits(allow_remote=allow_remote_images))
         self.in_flight = 0
         self.idle = asyncio.Event()
         self.idle.set()

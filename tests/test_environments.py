@@ -12,7 +12,7 @@ from environments.frozen_lake import parse_move
 from environments.guess_number import GuessNumber
 from environments.python_tool import PythonTool, final_answer
 
-NAMES = ["digit", "arithmetic", "countdown", "guess_number", "frozen_lake", "python_tool"]
+NAMES = ["digit", "arithmetic", "countdown", "guess_number", "frozen_lake", "python_tool", "shapes"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -128,3 +128,22 @@ def test_reasoning_gym_adapter_builds_any_task_and_scores_with_it():
     assert env.step(f"{info['answer']} (no tags)")[1] == 0.0
     with pytest.raises(ValueError, match="no task 'leg_countin'"):
         molt_env.make("reasoning_gym:leg_countin")
+
+
+def test_shapes_draws_its_count_and_grades_the_first_digit():
+    import numpy as np
+
+    from environments.shapes import Shapes, draw
+
+    env = Shapes()
+    for seed in range(6):
+        (message,), info = env.reset(seed=seed)
+        image = message["content"][0]["image"]
+        assert message["content"][0]["type"] == "image" and image.size == (56, 56)
+        # Each shape fills part of its own cell of the 2 x 2 grid; the rest is background.
+        cells = np.asarray(image).reshape(2, 28, 2, 28, 3).swapaxes(1, 2).reshape(4, -1)
+        assert int((cells.max(axis=1) > 100).sum()) == info["count"]
+        assert env.step(f"{info['count']} shapes")[1] == 1.0
+        env.reset(seed=seed)
+        assert env.step(f"{info['count'] % 3 + 1}")[1] == 0.0
+    assert np.asarray(draw(np.random.default_rng(0), 3)).shape == (56, 56, 3)

@@ -84,6 +84,30 @@ def test_tiny_vlm_loads_with_its_processor_and_sees_the_image():
         assert (model(**a).logits - model(**b).logits).abs().max() > 1e-2, "the image made no difference"
 
 
+def test_tiny_vlm_warm_start_taught_it_to_look():
+    """The alignment pretext: a one-colour picture's answer is the colour's index, so the reply depends
+    on the picture (a text-only warm start left it answering the same for every picture)."""
+    import torch
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from molt_agents.tiny import tiny_model
+    from molt_agents.tiny.warm_start import PALETTE
+
+    directory = tiny_model("vlm")
+    processor = AutoProcessor.from_pretrained(directory)
+    model = AutoModelForImageTextToText.from_pretrained(directory, dtype=torch.float32)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+    text = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    digits = processor.tokenizer.convert_tokens_to_ids([str(d) for d in range(10)])
+    answers = []
+    for colour in PALETTE:
+        inputs = processor(text=[text], images=[Image.new("RGB", (40, 40), colour)], return_tensors="pt")
+        with torch.no_grad():
+            answers.append(int(model(**inputs).logits[0, -1, digits].argmax()))
+    assert sum(a == i for i, a in enumerate(answers)) >= 8, answers
+
+
 def test_chat_template_round_trips_tools_and_tool_calls(dense_dir):
     from transformers import AutoTokenizer
 

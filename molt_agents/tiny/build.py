@@ -28,11 +28,12 @@ from molt_agents.tiny.tokenizer import build_tokenizer
 IMAGE_TOKEN = "<|image_pad|>"  # the placeholder the processor repeats once per image patch
 
 # Bump when the builder's output changes for the same parameters.
-BUILDER_VERSION = 3
+BUILDER_VERSION = 4
 
 KINDS = ("dense", "moe", "chat", "vlm")
 # chat: dense plus a short warm start (reply with a digit, end the turn).
-# vlm: LLaVA-style: a CLIP vision tower and a projector in front of the chat model, with its processor.
+# vlm: LLaVA-style: a CLIP vision tower and a projector in front of the chat model, with its processor;
+#      its warm start adds a one-colour-picture pretext so that it looks at images (see warm_start.py).
 # (Its image processor is transformers' PIL one: torchvision does not import beside the CPU torch.)
 
 DEFAULTS = {
@@ -131,18 +132,20 @@ def build_tiny(kind: str, out: str | Path, **sizes) -> Path:
     tokenizer = build_tokenizer(out, vocab_size=p["vocab_size"], seed=p["seed"])
     config = _config(kind, p, tokenizer)
     torch.manual_seed(p["seed"])
+    processor = None
     if kind == "vlm":
         from transformers import LlavaForConditionalGeneration
 
         model = LlavaForConditionalGeneration(config).float()
-        _processor(tokenizer, p).save_pretrained(out)
+        processor = _processor(tokenizer, p)
+        processor.save_pretrained(out)
     else:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if kind in ("chat", "vlm"):
         from molt_agents.tiny.warm_start import warm_start
 
         with _single_thread():  # bit-identical across runs
-            warm_start(model, tokenizer, seed=p["seed"])
+            warm_start(model, tokenizer, seed=p["seed"], processor=processor)
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )

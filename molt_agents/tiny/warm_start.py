@@ -1,10 +1,19 @@
-"""A short supervised warm start for the tiny chat model: the reply format only.
+"""A short supervised warm start for the tiny chat and vision-language models.
 
 A randomly initialised model almost never ends its turn or answers briefly,
 so RL from it has nothing to reinforce. This teaches one habit, on prompts
 from the tokenizer corpus: the assistant answers with a single random digit
 and ends the turn. The digit is independent of the prompt, so no task is
 learned here; a task's mapping is left to RL.
+
+That habit also teaches a model to ignore what it reads, images included: a
+vision-language model warm-started on text alone gives the same answer for
+every picture (its digit probabilities move by about 1e-4 between pictures),
+and RL then has no gradient toward using the image. So the vision-language
+warm start adds an alignment pretext, as LLaVA's first stage aligns its
+projector on captions: half the batches show a picture filled with one of
+ten colours, and the answer is that colour's index. It teaches the model to
+look, not any task's mapping (no bundled task asks for colours).
 """
 
 from __future__ import annotations
@@ -16,33 +25,68 @@ import torch
 from molt_agents.chat_template import render_text
 from molt_agents.tiny.tokenizer import _corpus_lines
 
+PALETTE = [(0, 0, 0), (255, 255, 255), (128, 128, 128), (255, 140, 0), (0, 128, 128),
+           (128, 0, 0), (0, 0, 128), (128, 128, 0), (255, 192, 203), (0, 255, 255)]
 
-def warm_start(model, tokenizer, steps: int = 150, batch: int = 32, lr: float = 3e-3, seed: int = 0) -> None:
-    """Train `model` in place on chat turns `user: <corpus line> / assistant: <digit>`."""
+
+def warm_start(model, tokenizer, steps: int = 150, batch: int = 32, lr: float = 3e-3, seed: int = 0,
+               processor=None) -> None:
+    """Train `model` in place on chat turns `user: <corpus line> / assistant: <digit>`; with a
+    `processor` (a vision-language model), every other batch shows a one-colour picture and the
+    digit is the colour's index in `PALETTE`."""
     rng = random.Random(seed)
     # Prompts without digits: the model learns the reply format, not to ignore digits it reads.
     prompts = [line for line in _corpus_lines(seed + 1, 4000)
                if "\n" not in line and not any(c.isdigit() for c in line)][:1000]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
-    for _ in range(steps):
-        rows = []
-        for _ in range(batch):
-            messages = [{"role": "user", "content": rng.choice(prompts)}]
-            prompt = render_text(tokenizer, messages)
-            full = render_text(tokenizer, messages + [{"role": "assistant", "content": str(rng.randrange(10))}],
-                               add_generation_prompt=False)
-            prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
-            reply_ids = tokenizer.encode(full[len(prompt):].rstrip("\n"), add_special_tokens=False)
-            rows.append((prompt_ids + reply_ids, [-100] * len(prompt_ids) + reply_ids))
+    for step in range(steps):
+        if processor is not None and step % 2:
+            rows, images = _picture_rows(processor, rng, prompts, batch)
+        else:
+            rows, images = _text_rows(tokenizer, rng, prompts, batch), {}
         width = max(len(ids) for ids, _ in rows)
         pad = tokenizer.pad_token_id
         input_ids = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in rows])
         labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in rows])
         attention = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in rows])
-        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels, **images).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
     model.eval()
 
+
+def _turn(tokenizer, messages: list[dict], reply: str, render) -> tuple[str, list[int]]:
+    """The rendered prompt and the reply's ids (the assistant turn up to and including its end)."""
+    prompt = render(messages, add_generation_prompt=True)
+    full = render(messages + [{"role": "assistant", "content": reply}], add_generation_prompt=False)
+    return prompt, tokenizer.encode(full[len(prompt):].rstrip("\n"), add_special_tokens=False)
+
+
+def _text_rows(tokenizer, rng: random.Random, prompts: list[str], batch: int) -> list[tuple[list, list]]:
+    rows = []
+    for _ in range(batch):
+        messages = [{"role": "user", "content": rng.choice(prompts)}]
+        prompt, reply_ids = _turn(tokenizer, messages, str(rng.randrange(10)),
+                                  lambda m, **kw: render_text(tokenizer, m, **kw))
+        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+        rows.append((prompt_ids + reply_ids, [-100] * len(prompt_ids) + reply_ids))
+    return rows
+
+
+def _picture_rows(processor, rng: random.Random, prompts: list[str], batch: int):
+    from PIL import Image
+
+    tokenizer, rows, pixels = processor.tokenizer, [], []
+    for _ in range(batch):
+        colour = rng.randrange(len(PALETTE))
+        image = Image.new("RGB", (32, 32), PALETTE[colour])
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": rng.choice(prompts)}]}]
+        prompt, reply_ids = _turn(tokenizer, messages, str(colour),
+                                  lambda m, **kw: processor.apply_chat_template(m, tokenize=False, **kw))
+        inputs = processor(images=[image], text=[prompt], return_tensors="pt")
+        prompt_ids = inputs["input_ids"][0].tolist()
+        rows.append((prompt_ids + reply_ids, [-100] * len(prompt_ids) + reply_ids))
+        pixels.append(inputs["pixel_values"])
+    return rows, {"pixel_values": torch.cat(pixels)}

@@ -44,8 +44,10 @@ def isolate_network() -> None:
 
 
 def limit(config: dict) -> None:
-    for name, value in (("RLIMIT_CPU", config["cpu"]), ("RLIMIT_AS", config["memory"]),
-                        ("RLIMIT_FSIZE", config["fsize"]), ("RLIMIT_NOFILE", 64), ("RLIMIT_CORE", 0)):
+    # CPU: SIGXCPU at the limit (reported as such), SIGKILL a second later if that is caught.
+    resource.setrlimit(resource.RLIMIT_CPU, (config["cpu"], config["cpu"] + 1))
+    for name, value in (("RLIMIT_AS", config["memory"]), ("RLIMIT_FSIZE", config["fsize"]),
+                        ("RLIMIT_NOFILE", 64), ("RLIMIT_CORE", 0)):
         resource.setrlimit(getattr(resource, name), (value, value))
     if config["uid"] is not None:
         resource.setrlimit(resource.RLIMIT_NPROC, (config["nproc"], config["nproc"]))

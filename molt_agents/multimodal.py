@@ -115,14 +115,17 @@ def _load(part: dict, where: str, limits: ImageLimits):
 def _fetch(url: str, limits: ImageLimits, where: str) -> bytes:
     import httpx
 
+    data = bytearray()
     try:
-        response = httpx.get(url, timeout=10.0, follow_redirects=True)
-        response.raise_for_status()
+        with httpx.stream("GET", url, timeout=10.0, follow_redirects=True) as response:
+            response.raise_for_status()
+            for chunk in response.iter_bytes():
+                data += chunk
+                if len(data) > limits.max_bytes:  # stop reading: never hold more than the limit
+                    raise ImageError(f"{where}: the image is over {limits.max_bytes >> 20} MiB")
     except httpx.HTTPError as error:
         raise ImageError(f"{where}: could not fetch {url}: {error}") from None
-    if len(response.content) > limits.max_bytes:
-        raise ImageError(f"{where}: the image is over {limits.max_bytes >> 20} MiB")
-    return response.content
+    return bytes(data)
 
 
 def _check_size(image, where: str, limits: ImageLimits):

@@ -183,3 +183,35 @@ def test_bad_images_get_a_named_400(vlm_loopback, url, needle):
     assert response.status_code == 400, response.text
     assert needle in response.json()["error"]["message"]
     assert vlm_loopback.finish(session, reward=0.0) == []
+
+
+def test_remote_images_are_fetched_only_when_allowed_and_within_the_limit(tmp_path):
+    """A local HTTP server stands in for the web (this machine has no internet)."""
+    import functools
+    import http.server
+    import threading
+
+    from molt_agents.multimodal import ImageError, ImageLimits, chat_images
+
+    _picture(2).save(tmp_path / "shapes.png")
+    (tmp_path / "big.png").write_bytes(b"\x89PNG" + bytes(3 << 20))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+
+    def ask(name, **limits):
+        return chat_images([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"{base}/{name}"}}]}],
+                           ImageLimits(**limits))
+
+    try:
+        with pytest.raises(ImageError, match="remote image URLs are not fetched"):
+            ask("shapes.png")
+        (image,) = ask("shapes.png", allow_remote=True)
+        assert np.array_equal(np.asarray(image), np.asarray(_picture(2)))
+        with pytest.raises(ImageError, match=r"messages\[0\].content\[0\]: could not fetch .*404"):
+            ask("missing.png", allow_remote=True)
+        with pytest.raises(ImageError, match="over 2 MiB"):
+            ask("big.png", allow_remote=True, max_bytes=2 << 20)
+    finally:
+        server.shutdown()

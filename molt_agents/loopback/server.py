@@ -187,7 +187,7 @@ class Loopback:
         async def chat_completions(session_id: str, request: Request):
             body = protocol.parse(ChatRequest, await self._read_json(request))
             session = self._session(session_id)
-            images = self._images(body.messages)
+            images = await asyncio.to_thread(self._images, body.messages)  # decoding (or fetching) off the loop
             rendered = render_text(self.tokenizer, for_template(body.messages), body.tools)
             return await self._respond(session, lambda: session.base_for_text(rendered, images), body,
                                        top=body.top_logprobs or 0)

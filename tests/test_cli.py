@@ -42,10 +42,16 @@ def test_bad_flag_value_fails_before_work_and_names_the_flag():
 
 
 def test_recipe_and_overrides_resolve():
-    out = subprocess.run(MOLT_TRAIN + ["--config", str(ROOT / "recipes/cpu-tiny.yaml"),
+    out = subprocess.run(MOLT_TRAIN + ["--config", str(ROOT / "recipes/digit.yaml"),
                                        "--rollout.max_tokens", "5", "--print_config"],
                          capture_output=True, text=True, check=True).stdout
     assert "max_tokens: 5" in out and "dtype: float32" in out
+
+
+def test_the_digit_recipe_is_the_default_run():
+    default, recipe = (subprocess.run(MOLT_TRAIN + flags + ["--print_config"], capture_output=True, text=True,
+                                      check=True).stdout for flags in ([], ["--config", str(ROOT / "recipes/digit.yaml")]))
+    assert default == recipe and "env: digit" in default
 
 
 def test_unsupported_combinations_fail_before_work_and_name_the_flag(tmp_path):

@@ -87,3 +87,20 @@ def plot(run_dir: Path) -> Path:
     figure.savefig(out, dpi=90)
     plt.close(figure)
     return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`molt-plot RUN_DIR [RUN_DIR ...]`: (re)draw the plots of runs, finished or in progress."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="molt-plot", description=main.__doc__)
+    parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
+    args = parser.parse_args(argv)
+    for run_dir in args.run_dirs:
+        if not (run_dir / "metrics.jsonl").is_file():
+            parser.error(f"{run_dir / 'metrics.jsonl'} does not exist: is {run_dir} a molt-train run directory?")
+        print(plot(run_dir))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,5 +1,6 @@
 """`molt-train` as a user runs it, and the README quick start that CI runs."""
 
+import json
 import re
 import subprocess
 import sys
@@ -68,3 +69,14 @@ def test_unsupported_combinations_fail_before_work_and_name_the_flag(tmp_path):
         result = subprocess.run(MOLT_TRAIN + out + flags, capture_output=True, text=True, timeout=120)
         assert result.returncode != 0 and needle in result.stderr, (flags, result.stderr[-500:])
         assert not (tmp_path / "x" / "metrics.jsonl").exists()
+
+
+def test_molt_plot_draws_a_run_on_demand(tmp_path):
+    rows = [{"step": s, "reward/mean": s / 10, "response_len/mean": 2.0, "time/generate": 0.1, "mismatch/kl": 0.0}
+            for s in range(1, 4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    molt_plot = Path(sys.executable).parent / "molt-plot"  # the console script scripts/setup.sh installs
+    out = subprocess.run([str(molt_plot), str(tmp_path)], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == str(tmp_path / "plots" / "metrics.png") and (tmp_path / "plots" / "metrics.png").stat().st_size
+    missing = subprocess.run([str(molt_plot), str(tmp_path / "nope")], capture_output=True, text=True)
+    assert missing.returncode == 2 and "nope/metrics.jsonl does not exist" in missing.stderr

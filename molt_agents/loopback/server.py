@@ -187,7 +187,8 @@ class Loopback:
         async def chat_completions(session_id: str, request: Request):
             body = protocol.parse(ChatRequest, await self._read_json(request))
             session = self._session(session_id)
-            images = await asyncio.to_thread(self._images, body.messages)  # decoding (or fetching) off the loop
+            # Decoding (or fetching) images runs off the event loop; text-only requests skip the thread hop.
+            images = await asyncio.to_thread(self._images, body.messages) if _has_images(body.messages) else []
             rendered = render_text(self.tokenizer, for_template(body.messages), body.tools)
             return await self._respond(session, lambda: session.base_for_text(rendered, images), body,
                                        top=body.top_logprobs or 0)
@@ -215,8 +216,7 @@ class Loopback:
         return app
 
     def _images(self, messages: list[dict]) -> list:
-        if self.vision is None and any(isinstance(m.get("content"), list) and any(map(is_image_part, m["content"]))
-                                       for m in messages):
+        if self.vision is None:
             raise APIError(400, "the request has images, but this policy is not a vision-language model",
                            param="messages", code="invalid_image")
         try:
@@ -439,3 +439,7 @@ class Loopback:
         finally:
             if not task.done():  # the client hung up: abort sampling; the session is restored
                 task.cancel()
+
+
+def _has_images(messages: list[dict]) -> bool:
+    return any(isinstance(m.get("content"), list) and any(map(is_image_part, m["content"])) for m in messages)

@@ -10,7 +10,11 @@ URLs only when allowed); `for_template` turns the parts into the plain
 `{"type": "image"}` the chat template renders as one placeholder. `Vision`
 wraps the model's own Hugging Face processor: it tokenizes rendered text
 with images, expanding each placeholder to the model's image tokens, and
-returns the image tensors beside the ids, one dict per image.
+returns the image tensors beside the ids, one dict per image. An image's
+span is everything its placeholder expanded to (for Idefics3, the image
+tokens with the markers around them); `collapse` turns the spans back into
+single placeholders, which is the text the template wrote and the prompt
+vLLM takes.
 """
 
 from __future__ import annotations
@@ -142,7 +146,8 @@ class Vision:
 
         self.processor = AutoProcessor.from_pretrained(str(model_dir))
         self.tokenizer = self.processor.tokenizer
-        self.placeholder_id = self.tokenizer.convert_tokens_to_ids(self.processor.image_token)
+        self.image_token = self.processor.image_token  # what the chat template writes for an image
+        self.placeholder_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
 
     @staticmethod
     def available(model_dir: str | Path) -> bool:
@@ -152,32 +157,70 @@ class Vision:
         config = Path(model_dir) / "config.json"
         return config.exists() and "vision_config" in json.loads(config.read_text())
 
-    def encode(self, text: str, images: list) -> tuple[list[int], list[dict[str, np.ndarray]]]:
-        """Token ids of `text` with each placeholder expanded, and the tensors of each image."""
-        if not images:
-            return self.tokenizer.encode(text, add_special_tokens=False), []
-        out = self.processor(text=[text], images=images, return_tensors="np", add_special_tokens=False)
-        tensors = {k: np.asarray(v) for k, v in out.items() if k not in ("input_ids", "attention_mask")}
-        return [int(t) for t in out["input_ids"][0]], split_images(tensors, len(images))
+    def encode(self, text: str, images: list) -> tuple[list[int], list[list[int]], list[dict[str, np.ndarray]]]:
+        """Token ids of `text` with each image placeholder expanded; each image's span `[start, length]`
+        of expanded tokens in those ids; each image's tensors.
+
+        The processor expands one image at a time (each image is processed once), and the text between
+        placeholders is tokenized on its own: the placeholder is a special token, at which the tokenizer
+        splits anyway, so the ids are the ones the processor gives for the whole text.
+        """
+        pieces = text.split(self.image_token)
+        if len(pieces) - 1 != len(images):
+            raise ValueError(f"{len(pieces) - 1} image placeholders for {len(images)} images")
+        ids = self.tokenizer.encode(pieces[0], add_special_tokens=False)
+        spans, tensors = [], []
+        for image, piece in zip(images, pieces[1:]):
+            out = self.processor(text=[self.image_token], images=[image], return_tensors="np",
+                                 add_special_tokens=False)
+            expansion = [int(t) for t in out["input_ids"][0]]
+            spans.append([len(ids), len(expansion)])
+            tensors.append({k: np.asarray(v) for k, v in out.items() if k not in ("input_ids", "attention_mask")})
+            ids += expansion + self.tokenizer.encode(piece, add_special_tokens=False)
+        return ids, spans, tensors
 
 
-def split_images(tensors: dict[str, np.ndarray], count: int) -> list[dict[str, np.ndarray]]:
-    """One batch of processor tensors as one dict per image (rows per image: 1, or its grid's patches)."""
-    grid = tensors.get("image_grid_thw")
-    sizes = [int(np.prod(row)) for row in grid] if grid is not None else [len(tensors["pixel_values"]) // count] * count
-    edges = np.cumsum([0] + sizes)
-    per_image = []
-    for i in range(count):
-        image = {}
-        for name, value in tensors.items():
-            if name == "pixel_values":
-                image[name] = value[edges[i]: edges[i + 1]]
-            else:
-                image[name] = value[i: i + 1]
-        per_image.append(image)
-    return per_image
+def collapse(token_ids: list[int], spans: list[list[int]], placeholder_id: int) -> list[int]:
+    """`token_ids` with each image's expanded span back to the one placeholder the chat template writes."""
+    ids, cursor = [], 0
+    for start, length in spans:
+        ids += token_ids[cursor:start] + [placeholder_id]
+        cursor = start + length
+    return ids + token_ids[cursor:]
 
 
-def join_images(images: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """Per-image tensors back into one batch (the forward's keyword arguments)."""
-    return {name: np.concatenate([image[name] for image in images]) for name in images[0]} if images else {}
+def image_axis(tensors: dict[str, np.ndarray]) -> int:
+    """The axis along which a sequence's images lie in a processor's tensors. Processors whose
+    `pixel_values` are [batch, images, C, H, W] (Idefics3, SmolVLM; its `pixel_attention_mask` is
+    [batch, images, H, W]) lead every tensor with a batch axis: images go along axis 1, a sequence's
+    and a batch's alike, row after row. The rest (LLaVA [images, C, H, W], Qwen-VL's patches) use axis 0."""
+    pixels = tensors.get("pixel_values")
+    return 1 if pixels is not None and pixels.ndim >= 5 else 0
+
+
+def join_images(images: list[dict]) -> dict:
+    """Per-image tensors (numpy or torch) as one set of forward arguments, images in placeholder order."""
+    if not images:
+        return {}
+    axis = image_axis(images[0])
+    if isinstance(images[0]["pixel_values"], np.ndarray):
+        return {name: np.concatenate([image[name] for image in images], axis=axis) for name in images[0]}
+    import torch
+
+    return {name: torch.cat([image[name] for image in images], dim=axis) for name in images[0]}
+
+
+@dataclass(frozen=True)
+class PromptImages:
+    """A prompt's images, for an engine: the pictures (for one that runs the model's processor itself,
+    vLLM), the processor's tensors (for one that does not, transformers), and each image's span of
+    expanded tokens in the prompt."""
+
+    pictures: list  # RGB PIL images, in order
+    spans: list[list[int]]
+    placeholder_id: int
+    tensors: dict[str, np.ndarray]
+
+    def collapsed(self, token_ids: list[int]) -> list[int]:
+        """The prompt with one placeholder per image, as an engine that expands them itself takes it."""
+        return collapse(token_ids, self.spans, self.placeholder_id)

@@ -42,7 +42,7 @@ async def run_episode(env, engine, tokenizer, params: SamplingParams, *, max_tot
             truncated = True
             break
         turn_params = dataclasses.replace(params, n=1, max_tokens=min(params.max_tokens, budget))
-        (sample,) = await engine.generate(segment.token_ids, turn_params, images=segment.image_inputs())
+        (sample,) = await engine.generate(segment.token_ids, turn_params, images=segment.prompt_images())
         segment.append_sample(sample)
         reply = tokenizer.decode(sample.token_ids, skip_special_tokens=True)
         observation, reward, terminated, truncated, _ = await env.astep(reply)

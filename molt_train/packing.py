@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from molt_agents.multimodal import join_images
 
 @dataclass
 class MicroBatch:
@@ -70,7 +71,7 @@ def _images(items: list[dict]) -> dict[str, torch.Tensor] | None:
     images = [item["images"] for item in items if item.get("images")]
     if not images:
         return None
-    return {name: torch.cat([torch.as_tensor(i[name]) for i in images]) for name in images[0]}
+    return {name: torch.as_tensor(value) for name, value in join_images(images).items()}
 
 
 def _routes(items: list[dict]) -> torch.Tensor | None:

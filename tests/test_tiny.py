@@ -58,7 +58,7 @@ def test_bad_sizes_are_refused_with_the_reason(tmp_path):
         build_tiny("dense", tmp_path, vocab_size=1000)
     with pytest.raises(ValueError, match="unknown tiny model kind"):
         build_tiny("rnn", tmp_path)
-    with pytest.raises(ValueError, match="multiple of patch_size"):
+    with pytest.raises(ValueError, match=r"multiple of patch_size \* scale_factor"):
         build_tiny("vlm", tmp_path, image_size=50)
 
 
@@ -79,7 +79,7 @@ def test_tiny_vlm_loads_with_its_processor_and_sees_the_image():
     red = Image.new("RGB", (30, 90), "red")
     a, b = (processor(text=[text], images=[image], return_tensors="pt") for image in (noise, red))
     assert torch.equal(a["input_ids"], b["input_ids"])
-    assert int((a["input_ids"] == model.config.image_token_id).sum()) == (56 // 14) ** 2  # one per patch
+    assert int((a["input_ids"] == model.config.image_token_id).sum()) == (56 // 14 // 2) ** 2  # 4 patches each
     with torch.no_grad():
         assert (model(**a).logits - model(**b).logits).abs().max() > 1e-2, "the image made no difference"
 
@@ -92,12 +92,12 @@ def test_tiny_vlm_warm_start_taught_it_to_look():
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from molt_agents.tiny import tiny_model
-    from molt_agents.tiny.warm_start import PALETTE
+    from molt_agents.tiny.warm_start import PALETTE, QUESTIONS
 
     directory = tiny_model("vlm")
     processor = AutoProcessor.from_pretrained(directory)
     model = AutoModelForImageTextToText.from_pretrained(directory, dtype=torch.float32)
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTIONS[0]}]}]
     text = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     digits = processor.tokenizer.convert_tokens_to_ids([str(d) for d in range(10)])
     answers = []

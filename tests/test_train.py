@@ -161,18 +161,20 @@ def test_moe_policy_with_routing_replay(tmp_path, ray_address, moe_dir, backend,
 
 
 def test_shapes_with_the_tiny_vision_language_model(tmp_path, ray_address):
-    """Images through the whole loop: the env draws them, the transformers engine sees them, the
-    actor's packed forward takes their tensors, and the checkpoint is the VLM again."""
-    from transformers import AutoModelForImageTextToText
+    """Images through the whole loop: the env draws them, vLLM sees them, the actor's packed forward
+    takes their tensors, the weights go back to vLLM, and the checkpoint is the VLM again."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
     out = tmp_path / "shapes"
-    rows = _train(out, ray_address, "--env", "shapes", "--model", "tiny:vlm", "--engine.name", "hf",
+    rows = _train(out, ray_address, "--env", "shapes", "--model", "tiny:vlm",
                   "--steps", "2", "--train.async_queue_size", "0", "--rollout.max_tokens", "8",
                   "--algo.filter_zero_variance", "false")
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["tokens/trained"] > 0 and r["mismatch/max_abs"] < 1e-4 for r in rows)
-    model = AutoModelForImageTextToText.from_pretrained(out / "checkpoints" / "step_000002" / "policy")
-    assert model.config.model_type == "llava"
+    policy = out / "checkpoints" / "step_000002" / "policy"
+    model = AutoModelForImageTextToText.from_pretrained(policy)
+    assert model.config.model_type == "idefics3"
+    assert type(AutoProcessor.from_pretrained(policy)).__name__ == "Idefics3Processor"  # a VLM again, processor too
 
 
 def test_env_from_a_file_with_the_transformers_engine(tmp_path, ray_address):

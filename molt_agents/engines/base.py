@@ -10,7 +10,10 @@ distribution and the weight version that produced it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from molt_agents.multimodal import PromptImages
 
 
 @dataclass(frozen=True)
@@ -58,11 +61,11 @@ class Engine(Protocol):
     version: int  # weight version; bumped by every update_weights
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, on_tokens=None,
-                       images: dict | None = None) -> list[Sample]:
+                       images: PromptImages | None = None) -> list[Sample]:
         """Sample `params.n` completions of `prompt_ids`.
 
-        `images`, for a vision-language model: the processor's tensors (`pixel_values`, ...) for the
-        image placeholder tokens in `prompt_ids`, in order.
+        `images`, for a vision-language model: the prompt's pictures, their processor tensors
+        (`pixel_values`, ...) and each one's span of image tokens in `prompt_ids`, in order.
 
         `on_tokens(choice_index, progress)`, if given, is called on the caller's
         event loop with each step's new tokens (`progress.token_ids`, `.logprobs`).

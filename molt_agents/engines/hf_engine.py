@@ -23,6 +23,7 @@ import torch
 
 from molt_agents.engines.base import SamplingParams
 from molt_agents.engines.stepped import Progress, SteppedEngine
+from molt_agents.multimodal import join_images
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
@@ -80,7 +81,7 @@ class _Request:
     params: SamplingParams
     generator: torch.Generator | None
     prompt_len: int
-    images: dict | None = None  # the processor's image tensors for this prompt's placeholders
+    images: dict | None = None  # the processor's image tensors for this prompt's image tokens
     routes: list[np.ndarray] = field(default_factory=list)  # per position: [layers, top_k]
 
 
@@ -109,7 +110,8 @@ class HFEngine(SteppedEngine):
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed + index)
-        self._requests[request_id] = _Request(list(prompt_ids), params, generator, len(prompt_ids), images)
+        self._requests[request_id] = _Request(list(prompt_ids), params, generator, len(prompt_ids),
+                                              images.tensors if images is not None else None)
 
     def _backend_has_work(self) -> bool:
         return bool(self._requests)
@@ -137,9 +139,8 @@ class HFEngine(SteppedEngine):
             input_ids[row, width - len(request.ids):] = torch.tensor(request.ids)
             attention[row, width - len(request.ids):] = 1
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        images = [r.images for _, r in batch if r.images]  # in row order, as the placeholders are
-        extra = {name: as_model_input(torch.from_numpy(np.concatenate([i[name] for i in images])), self.model)
-                 for name in images[0]} if images else {}
+        images = join_images([r.images for _, r in batch if r.images])  # in row order, as the image tokens are
+        extra = {name: as_model_input(torch.from_numpy(value), self.model) for name, value in images.items()}
         self._captured.clear()
         logits = self.model(input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
                             position_ids=positions.to(self.device), **extra).logits[:, -1]

@@ -18,8 +18,12 @@ import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from molt_agents.engines.base import Sample, SamplingParams
+
+if TYPE_CHECKING:
+    from molt_agents.multimodal import PromptImages
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +39,7 @@ class Progress:
     finished: bool = False
     finish_reason: str = "stop"
     routes: object | None = None  # set when finished, if the backend captures expert routes
+    error: str | None = None  # the backend refused the request after it started: fail it with this
 
 
 @dataclass
@@ -99,7 +104,7 @@ class SteppedEngine:
     # Backend interface (engine thread)
 
     def _backend_start(self, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int,
-                       images: dict | None = None) -> None:
+                       images: PromptImages | None = None) -> None:
         raise NotImplementedError
 
     def _backend_step(self) -> list[Progress]:
@@ -122,9 +127,9 @@ class SteppedEngine:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        on_tokens: Callable[[int, Progress], None] | None = None,
-                       images: dict | None = None) -> list[Sample]:
+                       images: PromptImages | None = None) -> list[Sample]:
         """Sample `params.n` completions; `on_tokens(choice_index, progress)` sees each step's tokens;
-        `images`: the processor's image tensors for the placeholders in `prompt_ids`."""
+        `images`: the prompt's images (pictures, tensors and their spans in `prompt_ids`)."""
         if not prompt_ids or not all(isinstance(t, int) and t >= 0 for t in prompt_ids):
             raise ValueError("prompt_ids must be a non-empty list of token ids")
         loop = asyncio.get_running_loop()
@@ -231,6 +236,10 @@ class SteppedEngine:
     def _collect(self, item: Progress) -> None:
         pending = self._pending.get(item.request_id)
         if pending is None:
+            return
+        if item.error is not None:
+            self._abort([item.request_id])
+            _notify(pending.loop, _resolve, pending.future, None, ValueError(item.error))
             return
         pending.token_ids += item.token_ids
         pending.logprobs += item.logprobs

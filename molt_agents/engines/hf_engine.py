@@ -64,6 +64,31 @@ def load_model(model_dir: str | Path, dtype):
     return auto.from_pretrained(str(model_dir), dtype=dtype)
 
 
+def checkpoint_layout(model) -> dict[str, tuple[str, torch.Tensor]]:
+    """For every checkpoint tensor that the loaded model stores otherwise (transformers fuses the experts
+    of a layer, for one): the model tensor holding it and where, as flat indices shaped like the checkpoint
+    tensor. Found by saving a probe: each model tensor filled with its elements' indices goes through
+    transformers' own conversion back to the checkpoint's layout."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    state = model.state_dict()
+    probe, starts, start = {}, [], 0
+    for name, tensor in state.items():
+        probe[name] = torch.arange(start, start + tensor.numel()).view(tensor.shape)
+        starts.append((start, name))
+        start += tensor.numel()
+    layout = {}
+    for name, index in revert_weight_conversion(model, probe).items():
+        if name in state:
+            continue
+        first = int(index.min())
+        offset, target = max(s for s in starts if s[0] <= first)
+        if int(index.max()) >= offset + state[target].numel():
+            raise ValueError(f"checkpoint tensor {name!r} spans several tensors of {type(model).__name__}")
+        layout[name] = (target, index - offset)
+    return layout
+
+
 def as_model_input(tensor: torch.Tensor, model) -> torch.Tensor:
     """An input tensor on the model's device, floats in its dtype."""
     dtype = model.dtype if tensor.is_floating_point() else tensor.dtype
@@ -98,6 +123,7 @@ class HFEngine(SteppedEngine):
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.max_model_len, self.max_batch, self.seed = max_model_len, max_batch, seed
         self._requests: dict[str, _Request] = {}
+        self._layout = None  # checkpoint_layout(model), built when a weight update first needs it
         self._captured: list[torch.Tensor] = []
         self._routers = router_modules(self.model)
         for router in self._routers:
@@ -121,12 +147,20 @@ class HFEngine(SteppedEngine):
             self._requests.pop(request_id, None)
 
     def _backend_reload(self, named_tensors):
+        """Weights by the model's own names, or by its checkpoint's (per-expert tensors that transformers
+        fuses on load; a trainer other than transformers sends those)."""
         state = self.model.state_dict()
         with torch.no_grad():
             for name, tensor in named_tensors:
-                if name not in state:
-                    raise KeyError(f"weight {name!r} is not in {type(self.model).__name__}")
-                state[name].copy_(tensor)
+                if name in state:
+                    state[name].copy_(tensor)
+                    continue
+                if self._layout is None:
+                    self._layout = checkpoint_layout(self.model)
+                if name not in self._layout:
+                    raise KeyError(f"weight {name!r} is neither in {type(self.model).__name__} nor in its checkpoint")
+                target, index = self._layout[name]
+                state[target].view(-1)[index.view(-1)] = tensor.reshape(-1).to(state[target].dtype)
 
     @torch.no_grad()
     def _backend_step(self) -> list[Progress]:

@@ -39,6 +39,7 @@ class Runtime:
                                       rollout.allow_remote_images)
                         for i in range(config.engine.workers)]
         self.trainer = TrainerGroup(start_dir, config)
+        print(f"# actor: {await self.trainer.ranks[0].describe.remote()}", flush=True)
         if resume_from:
             await self.trainer.restore(str(resume_from))
         if config.train.weight_sync == "broadcast":

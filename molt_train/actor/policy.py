@@ -1,4 +1,8 @@
-"""One rank of the policy trainer: a sharded transformers model and its optimizer.
+"""One rank of the policy trainer: a sharded model and its optimizer.
+
+The model is the transformers class, or with the AutoModel backend NeMo
+AutoModel's own class for the MoE architectures it implements; either way
+its weights leave (for the engines, for checkpoints) as Hugging Face tensors.
 
 Every rank of the group runs the same calls on its own share of the
 micro-batches: `logprobs` (no grad: the proximal policy's logprobs, the

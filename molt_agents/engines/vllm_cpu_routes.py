@@ -63,10 +63,14 @@ class SlotRoutes:
         return out.numpy()
 
 
-def install(worker) -> None:
-    """Start capturing routes in this worker (a `collective_rpc` target)."""
+def install(worker) -> str | None:
+    """Start capturing routes in this worker (a `collective_rpc` target); why not, if it cannot."""
     runner = worker.model_runner
-    runner.molt_slot_routes = SlotRoutes(runner)
+    try:
+        runner.molt_slot_routes = SlotRoutes(runner)
+    except (ValueError, AttributeError) as error:
+        return str(error)
+    return None
 
 
 def request_routes(worker, request_id: str, length: int) -> np.ndarray | None:

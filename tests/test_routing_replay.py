@@ -133,6 +133,17 @@ def test_replay_closes_the_gap_of_an_engine_that_chooses_other_experts(moe_dir, 
     assert replayed <= max(1e-5, 2 * dense_mismatch)
 
 
+def _check_replay_narrows_a_perturbed_router(model, prompt, samples, label):
+    """An engine whose router weights differ: it picks other experts; replaying them leaves only the
+    gate weights' difference."""
+    live, live_agreement, live_mean = _trainer_vs_engine(model, _items(prompt, samples), replay=False)
+    replayed, _, replayed_mean = _trainer_vs_engine(model, _items(prompt, samples), replay=True)
+    print(f"{label}, perturbed router: without replay max {live:.2e} mean {live_mean:.2e} "
+          f"(agreement {live_agreement:.3f}); with replay max {replayed:.2e} mean {replayed_mean:.2e}")
+    assert live_agreement < 1.0
+    assert replayed < live / 3 and replayed_mean < live_mean / 2  # only the gate weights still differ
+
+
 @pytest.mark.parametrize("trainer", ["transformers", "automodel"])
 def test_replay_with_perturbed_engine_router_weights(moe_dir, trainer):
     engine = HFEngine(moe_dir)
@@ -144,13 +155,7 @@ def test_replay_with_perturbed_engine_router_weights(moe_dir, trainer):
         prompt, samples = _samples(engine, AutoTokenizer.from_pretrained(moe_dir))
     finally:
         engine.close()
-    model = _trainer_model(trainer, moe_dir)
-    live, live_agreement, live_mean = _trainer_vs_engine(model, _items(prompt, samples), replay=False)
-    replayed, _, replayed_mean = _trainer_vs_engine(model, _items(prompt, samples), replay=True)
-    print(f"{trainer}, perturbed router: without replay max {live:.2e} mean {live_mean:.2e} (agreement {live_agreement:.3f}); "
-          f"with replay max {replayed:.2e} mean {replayed_mean:.2e}")
-    assert live_agreement < 1.0
-    assert replayed < live / 3 and replayed_mean < live_mean / 2  # only the gate weights still differ
+    _check_replay_narrows_a_perturbed_router(_trainer_model(trainer, moe_dir), prompt, samples, trainer)
 
 
 def test_replay_of_routes_captured_inside_vllm_cpu(vllm_moe, moe_dir):
@@ -168,12 +173,7 @@ def test_replay_of_routes_captured_inside_vllm_cpu(vllm_moe, moe_dir):
     finally:
         run(vllm_moe.update_weights(list(true.state_dict().items())))
     assert all(s.routes is not None for s in samples)
-    live, live_agreement, live_mean = _trainer_vs_engine(true, _items(prompt, samples), replay=False)
-    replayed, _, replayed_mean = _trainer_vs_engine(true, _items(prompt, samples), replay=True)
-    print(f"vllm, perturbed router: without replay max {live:.2e} mean {live_mean:.2e} "
-          f"(agreement {live_agreement:.3f}); with replay max {replayed:.2e} mean {replayed_mean:.2e}")
-    assert live_agreement < 1.0
-    assert replayed < live / 3 and replayed_mean < live_mean / 2  # only the gate weights still differ
+    _check_replay_narrows_a_perturbed_router(true, prompt, samples, "vllm")
 
 
 def test_unknown_routes_fall_back_to_live_routing(moe_dir):

@@ -13,7 +13,10 @@ from pathlib import Path
 
 from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
 
+from molt_train import resume
 from molt_train.config import Config, ConfigError, validate
+from molt_train.console import LOG, Console
+from molt_train.model_fit import fit_to_model
 
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
@@ -51,13 +54,42 @@ def _bare_booleans(argv: list[str]) -> list[str]:
     return out
 
 
-def parse_config(argv: list[str] | None = None) -> tuple[Config, str]:
-    """The validated `Config` and its YAML dump (what the run directory keeps)."""
+def parse_config(argv: list[str] | None = None) -> tuple[Config, dict]:
+    """The `Config`, and what a resume changes (`{flag: [before, now]}`).
+
+    With `--resume`, the run's own `RUN_DIR/config.yaml` (plus the changes earlier resumes recorded in
+    `RUN_DIR/config_history.jsonl`) is the starting point and only the flags given now apply on top;
+    a flag that changes what the run is fails, naming it.
+    """
+    argv = _bare_booleans(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser()
-    namespace = parser.parse_args(_bare_booleans(list(sys.argv[1:] if argv is None else argv)))
+    namespace = parser.parse_args([a for a in argv if not a.startswith("--print_config")])  # it would exit here
+    changes: dict = {}
+    if namespace.resume and namespace.out is not None:
+        run_dir = Path(namespace.out)
+        if not (run_dir / "config.yaml").is_file():
+            raise ConfigError(f"--resume: {run_dir / 'config.yaml'} does not exist: is {run_dir} a molt-train "
+                              "run directory?")
+        before = resume.run_config(parser, run_dir)
+        parser.set_defaults(before)
+        namespace = parser.parse_args(argv)
+        changes = resume.changes(before, _flat(namespace.clone()))
+    elif any(a.startswith("--print_config") for a in argv):
+        parser.parse_args(argv)
     namespace.pop("config", None)
     config = parser.instantiate(namespace)
-    return Config(**{k: v for k, v in vars(config).items()}), parser.dump(namespace)
+    return Config(**{k: v for k, v in vars(config).items()}), changes
+
+
+def dump(config: Config) -> str:
+    """The config as the YAML recipe `--config` reads back."""
+    parser = build_parser()
+    return parser.dump(parser.parse_object(dataclasses.asdict(config)))
+
+
+def _flat(namespace) -> dict:
+    namespace.pop("config", None)
+    return dict(namespace.items())
 
 
 def _model_dir(config: Config) -> str:
@@ -71,8 +103,8 @@ def _model_dir(config: Config) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config, resolved = parse_config(sys.argv[1:] if argv is None else argv)
     try:
+        config, changes = parse_config(sys.argv[1:] if argv is None else argv)
         validate(config)
         import environments  # noqa: F401  (registers the bundled environments' short names)
         import molt_env
@@ -82,27 +114,50 @@ def main(argv: list[str] | None = None) -> None:
             from molt_env.registry import load_class
 
             load_class(config.agent)
+        model_dir = _model_dir(config)
+        fit_to_model(config, model_dir)
     except (ConfigError, ValueError) as error:
         sys.exit(f"molt-train: {error}")
-    model_dir = _model_dir(config)
-    from molt_agents.multimodal import Vision
-
-    if Vision.available(model_dir) and config.engine.name == "vllm":  # vision modules may need torchvision
-        from molt_agents.engines.vllm_engine import unloadable
-
-        problem = unloadable(model_dir)
-        if problem:
-            sys.exit(f"molt-train: --model {config.model}: {problem}; pass --engine.name hf")
     run_dir = Path(config.out or f"runs/{Path(config.env.split(':')[-1]).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
     if run_dir.exists() and not config.resume and any(run_dir.glob("checkpoints/step_*")):
         sys.exit(f"molt-train: {run_dir} already holds a run; pass --resume to continue it or a new --out")
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(resolved)
-    print("# resolved config\n" + resolved + f"# model: {model_dir}\n# run directory: {run_dir}", flush=True)
+    if config.resume:
+        from molt_train import checkpoint
+
+        latest = checkpoint.latest(run_dir)
+        resume.record(run_dir, changes, checkpoint.load_state(latest)["step"] if latest else 0)
+    else:
+        (run_dir / "config.yaml").write_text(dump(config))
+    console = Console(run_dir, config.log.verbose)
+    console.say(summary(config, run_dir, model_dir))
+    for flag, (before, now) in changes.items():
+        console.say(f"# resumed with --{flag} {now} (was {before})")
 
     from molt_train.loop import run
 
-    run(config, run_dir, model_dir)
+    try:
+        run(config, run_dir, model_dir, console)
+    except KeyboardInterrupt:
+        console.say(f"molt-train: interrupted; continue with --out {run_dir} --resume")
+        sys.exit(130)
+    except Exception as error:  # one line here, the traceback in the run's log
+        console.say(console.failed(error))
+        console.say(f"continue from the last checkpoint with --out {run_dir} --resume")
+        sys.exit(1)
+
+
+def summary(config: Config, run_dir: Path, model_dir: str) -> str:
+    """The resolved config, one line per group (the whole of it is in RUN_DIR/config.yaml)."""
+    def fields(obj):
+        return " ".join(f"{f.name}={getattr(obj, f.name)}" for f in dataclasses.fields(obj)
+                        if not dataclasses.is_dataclass(getattr(obj, f.name)))
+
+    groups = [f"#   {f.name}: {fields(getattr(config, f.name))}" for f in dataclasses.fields(config)
+              if dataclasses.is_dataclass(getattr(config, f.name))]
+    return "\n".join([f"# run {run_dir} ({run_dir / 'config.yaml'}, output of every process in "
+                      f"{run_dir / LOG} unless --log.verbose)", f"# model {model_dir}", f"# {fields(config)}",
+                      *groups])
 
 
 if __name__ == "__main__":

@@ -19,8 +19,9 @@ class EngineConfig:
     """Engine backend: vllm, or hf (the transformers fallback)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Engine weight dtype."""
-    max_model_len: int = 1024
-    """Longest sequence (prompt + completion) the engine accepts, in tokens."""
+    max_model_len: int | None = None
+    """Longest sequence (prompt + completion) the engine accepts, in tokens; default: the model's own
+    context (max_position_embeddings). More than the model's context is refused."""
     workers: int = 1
     """Rollout worker actors, each with its own engine."""
 
@@ -159,6 +160,8 @@ class LogConfig:
     """Log to Weights & Biases (needs wandb installed and logged in)."""
     plot_every: int = 0
     """Write the PNG plots every this many steps (0 = only at the end)."""
+    verbose: bool = False
+    """Show all output on the terminal (third-party warnings, every actor's log); default: RUN_DIR/molt.log."""
 
 
 @dataclass
@@ -204,8 +207,8 @@ def validate(config: Config) -> None:
     need(config.rollout.group_size >= 1, "rollout.group_size", "must be >= 1")
     need(config.rollout.groups_per_step >= 1, "rollout.groups_per_step", "must be >= 1")
     need(config.rollout.max_tokens >= 1, "rollout.max_tokens", "must be >= 1")
-    need(config.rollout.max_total_tokens <= config.engine.max_model_len, "rollout.max_total_tokens",
-         f"must fit the engine's context (--engine.max_model_len {config.engine.max_model_len})")
+    need(config.engine.max_model_len is None or config.engine.max_model_len >= 1, "engine.max_model_len",
+         "must be >= 1")
     need(0 < config.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
     need(config.train.lr > 0, "train.lr", "must be > 0")
     need(config.train.async_queue_size >= 0, "train.async_queue_size", "must be >= 0")

@@ -83,3 +83,71 @@ def test_molt_plot_draws_a_run_on_demand(tmp_path):
     assert out.strip() == str(tmp_path / "plots" / "metrics.png") and (tmp_path / "plots" / "metrics.png").stat().st_size
     missing = subprocess.run([str(molt_plot), str(tmp_path / "nope")], capture_output=True, text=True)
     assert missing.returncode == 2 and "nope/metrics.jsonl does not exist" in missing.stderr
+
+
+def _model(tmp_path, **config):
+    """A model directory holding only a config.json: the checks run before any weight is read."""
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"],
+                                                   "max_position_embeddings": 512, **config}))
+    return str(model)
+
+
+def test_flags_that_do_not_fit_the_model_fail_in_one_line_naming_the_flag(tmp_path):
+    cases = [
+        ([], {}, None),  # fits: fails only later, for want of weights
+        (["--engine.max_model_len", "1024"], {}, "--engine.max_model_len: 1024 is more than the model's context (512"),
+        (["--rollout.max_total_tokens", "600"], {}, "--rollout.max_total_tokens: 600 does not fit the engine's "
+                                                    "context (--engine.max_model_len 512)"),
+        ([], {"tie_word_embeddings": True}, "--engine.name vllm: the model in"),
+        (["--engine.dtype", "float16"], {"torch_dtype": "bfloat16"}, "--engine.dtype float16: the model's weights"),
+        ([], {"quantization_config": {"quant_method": "fp8"}}, "--model: the model in"),
+    ]
+    for flags, config, needle in cases:
+        from molt_train.config import Config, ConfigError
+        from molt_train.model_fit import fit_to_model
+
+        run = Config(model=_model(tmp_path, **config))
+        for flag, value in zip(flags[::2], flags[1::2]):
+            group, name = flag.removeprefix("--").split(".")
+            setattr(getattr(run, group), name, type(getattr(getattr(Config(), group), name) or 1)(value)
+                    if name != "dtype" else value)
+        if needle is None:
+            fit_to_model(run, run.model)
+            assert run.engine.max_model_len == 512  # follows the model
+            continue
+        try:
+            fit_to_model(run, run.model)
+        except ConfigError as error:
+            assert str(error).startswith(needle), (flags, str(error))
+            assert "\n" not in str(error)
+        else:
+            raise AssertionError(f"{flags} {config} passed")
+    # and through the command, before any actor starts: one line on stderr
+    result = subprocess.run(MOLT_TRAIN + ["--out", str(tmp_path / "x"), "--model", _model(tmp_path),
+                                          "--engine.max_model_len", "1024"], capture_output=True, text=True)
+    assert result.returncode == 1 and result.stderr.strip().count("\n") == 0, result.stderr
+    assert "--engine.max_model_len" in result.stderr and "512" in result.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_resume_starts_from_the_runs_config_and_refuses_flags_that_change_the_run(tmp_path):
+    from molt_train.cli import dump
+    from molt_train.config import Config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(dump(Config(env="shapes", model="tiny:vlm", seed=2, steps=8, out=str(run))))
+    (run / "config_history.jsonl").write_text(json.dumps({"from_step": 4, "changes": {"steps": [8, 12]}}) + "\n")
+    shown = subprocess.run(MOLT_TRAIN + ["--out", str(run), "--resume", "--ckpt.every", "3", "--print_config"],
+                           capture_output=True, text=True, check=True).stdout
+    for line in ["env: shapes", "model: tiny:vlm", "seed: 2", "steps: 12", "  every: 3"]:
+        assert f"\n{line}\n" in f"\n{shown}", line  # the run's own config, its recorded change, and the flag now
+    for flags, flag in [(["--env", "digit"], "--env 'shapes' -> 'digit'"), (["--seed", "0"], "--seed 2 -> 0"),
+                        (["--rollout.group_size", "4"], "--rollout.group_size 8 -> 4"),
+                        (["--config", str(ROOT / "recipes/digit.yaml")], "--env 'shapes' -> 'digit'")]:
+        result = subprocess.run(MOLT_TRAIN + ["--out", str(run), "--resume", *flags], capture_output=True, text=True)
+        assert result.returncode == 1 and f"molt-train: --resume: {flag}" in result.stderr, result.stderr
+    missing = subprocess.run(MOLT_TRAIN + ["--out", str(tmp_path / "nope"), "--resume"], capture_output=True, text=True)
+    assert missing.returncode == 1 and "nope/config.yaml does not exist" in missing.stderr

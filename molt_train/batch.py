@@ -1,26 +1,45 @@
-"""From finished groups to the trainer's batch: validation, staleness, advantages, filtering.
+"""From finished groups to the trainer's batch: validation, advantages, staleness, filtering.
 
 Pure bookkeeping over trajectory records; the math lives in `algorithms/`.
 A rollout (all its segments) is one sample for the group baseline; its
-advantage is broadcast to the trainable tokens of every segment.
+advantage is broadcast to the trainable tokens of every segment. Every
+trained token keeps its age (policy versions since the weights that sampled
+it), so the trainer can tell the engine's mismatch (age 0) from staleness.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from molt_env.trajectory import Trajectory, validate
 from molt_train.algorithms.advantages import ESTIMATORS, zero_variance_groups
+from molt_train.algorithms.off_policy import stale_tokens
+from molt_train.config import AlgoConfig
+from molt_train.packing import TrainItem
+
+Rollout = list[Trajectory]  # the segments of one episode; they share its reward
 
 
-def assemble(groups: list[dict], version: int, algo) -> tuple[list[dict], dict]:
-    """Training items (dicts for `packing.pack`) and the batch's metrics."""
-    stats: dict = {}
-    invalid = Counter()
-    trajectories = []
+def assemble(groups: list[dict], version: int, algo: AlgoConfig) -> tuple[list[TrainItem], dict]:
+    """The items to train on and the batch's metrics; `version` is the policy version the trainer holds."""
+    trajectories, stats = _valid_trajectories(groups)
+    rollouts = _rollouts(trajectories)
+    stats |= _rollout_stats(rollouts) | _age_stats(trajectories, version)
+    advantages, informative, filter_stats = _advantages(rollouts, algo)
+    bounded, staleness_stats = _bound_staleness(rollouts, version, algo)
+    kept = [(rollout, advantage) for rollout, advantage, keep in zip(bounded, advantages, informative)
+            if keep and rollout is not None]
+    items = [item for rollout, advantage in kept for item in _train_items(rollout, advantage, version)]
+    return items, stats | filter_stats | staleness_stats | _trained_stats(items, len(kept), groups)
+
+
+def _valid_trajectories(groups: list[dict]) -> tuple[list[Trajectory], dict]:
+    """The trajectories the validator accepts; counts of failed episodes and of rejected trajectories by reason."""
+    trajectories, invalid = [], Counter()
     for group in groups:
         for record in group["trajectories"]:
             trajectory = Trajectory.from_dict(record)
@@ -29,72 +48,90 @@ def assemble(groups: list[dict], version: int, algo) -> tuple[list[dict], dict]:
                 invalid[reason] += 1
             else:
                 trajectories.append(trajectory)
-    failures = [f for group in groups for f in group["failures"]]
-    stats["episodes/failed"] = len(failures)
-    for reason, count in Counter(f.split(":", 1)[0] for f in failures).items():
+    failures = [failure for group in groups for failure in group["failures"]]
+    stats = {"episodes/failed": len(failures)}
+    for reason, count in Counter(failure.split(":", 1)[0] for failure in failures).items():
         stats[f"episodes/failed/{reason}"] = count
     if failures:
         stats["episodes/failure_example"] = failures[0]
-    for reason, count in invalid.items():
-        stats[f"invalid/{reason}"] = count
+    return trajectories, stats | {f"invalid/{reason}": count for reason, count in invalid.items()}
 
-    # One reward per rollout; all of a rollout's segments share it.
-    rollouts: dict[str, list[Trajectory]] = {}
+
+def _rollouts(trajectories: list[Trajectory]) -> list[Rollout]:
+    """Segments gathered by rollout, in order of first appearance."""
+    rollouts: dict[str, Rollout] = {}
     for trajectory in trajectories:
         rollouts.setdefault(trajectory.rollout_id, []).append(trajectory)
-    ids = list(rollouts)
-    rewards = torch.tensor([rollouts[r][0].reward for r in ids], dtype=torch.float32)
-    group_of = {g: i for i, g in enumerate(sorted({rollouts[r][0].group_id for r in ids}))}
-    groups_index = torch.tensor([group_of[rollouts[r][0].group_id] for r in ids])
-    lengths = torch.tensor([sum(t.num_trainable for t in rollouts[r]) for r in ids], dtype=torch.float32)
-    stats["reward/mean"] = float(rewards.mean()) if len(ids) else 0.0
-    stats["reward/std"] = float(rewards.std(unbiased=False)) if len(ids) else 0.0
-    stats["response_len/mean"] = float(lengths.mean()) if len(ids) else 0.0
-    stats["episodes/truncated_frac"] = float(np.mean([rollouts[r][0].truncated for r in ids])) if ids else 0.0
+    return list(rollouts.values())
 
-    # Staleness: versions behind the current policy, per trainable token.
+
+def _rollout_stats(rollouts: list[Rollout]) -> dict:
+    if not rollouts:
+        return {"reward/mean": 0.0, "reward/std": 0.0, "response_len/mean": 0.0, "episodes/truncated_frac": 0.0}
+    rewards = np.array([rollout[0].reward for rollout in rollouts])
+    return {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+            "response_len/mean": float(np.mean([_trainable(rollout) for rollout in rollouts])),
+            "episodes/truncated_frac": float(np.mean([rollout[0].truncated for rollout in rollouts]))}
+
+
+def _age_stats(trajectories: list[Trajectory], version: int) -> dict:
+    """Staleness of every sampled token: policy versions behind the one the trainer holds."""
     ages = [version - v for t in trajectories for v, m in zip(t.versions, t.mask) if m]
-    stats["staleness/mean"] = float(np.mean(ages)) if ages else 0.0
-    stats["staleness/max"] = int(max(ages)) if ages else 0
-    stats["staleness/histogram"] = dict(Counter(ages))
-    keep = torch.ones(len(ids), dtype=torch.bool)
-    stale_tokens = 0
-    for i, r in enumerate(ids):
-        for trajectory in rollouts[r]:
-            stale = [m and version - v > algo.max_staleness for v, m in zip(trajectory.versions, trajectory.mask)]
-            if any(stale):
-                if algo.staleness_mode == "drop":
-                    keep[i] = False
-                else:
-                    trajectory.mask = [0 if s else m for s, m in zip(stale, trajectory.mask)]
-                stale_tokens += sum(stale)
-    stats["staleness/dropped_rollouts"] = int((~keep).sum())
-    stats["staleness/stale_tokens"] = stale_tokens
+    return {"staleness/mean": float(np.mean(ages)) if ages else 0.0, "staleness/max": max(ages, default=0),
+            "staleness/histogram": dict(Counter(ages))}
 
-    if len(ids):
-        advantages = ESTIMATORS[algo.estimator](rewards, groups_index, lengths)
-    else:
-        advantages = rewards
-    if algo.filter_zero_variance and len(ids):
-        flat = zero_variance_groups(rewards, groups_index)
-        stats["filter/zero_variance_frac"] = float(flat.float().mean())
-        keep &= ~flat
-    items, trained_ages, mixed = [], [], 0
-    for i, r in enumerate(ids):
-        if not keep[i]:
-            continue
-        for trajectory in rollouts[r]:
-            if any(trajectory.mask):
-                items.append({"token_ids": trajectory.token_ids, "mask": trajectory.mask,
-                              "logprobs": trajectory.logprobs, "advantage": float(advantages[i]),
-                              "routes": trajectory.routes,
-                              "images": trajectory.mm["tensors"] if trajectory.mm else None})
-                sampled_by = {v for v, m in zip(trajectory.versions, trajectory.mask) if m}
-                trained_ages += [version - v for v in sampled_by]
-                mixed += len(sampled_by) > 1  # partial rollout: weights changed mid-sequence
-    stats["tokens/trained"] = sum(sum(item["mask"]) for item in items)
-    stats["rollouts/trained"] = int(keep.sum())
-    stats["staleness/trained_max"] = max(trained_ages, default=0)
-    stats["versions/mixed_trajectories"] = mixed
-    stats["data/groups"] = sorted(group["group_index"] for group in groups)
-    return items, stats
+
+def _advantages(rollouts: list[Rollout], algo: AlgoConfig) -> tuple[list[float], list[bool], dict]:
+    """One advantage per rollout from its reward and its group's, and whether the rollout carries signal
+    (False for a group of equal rewards when `filter_zero_variance` is on)."""
+    if not rollouts:
+        return [], [], {}
+    rewards = torch.tensor([rollout[0].reward for rollout in rollouts], dtype=torch.float32)
+    group_of = {g: i for i, g in enumerate(sorted({rollout[0].group_id for rollout in rollouts}))}
+    groups = torch.tensor([group_of[rollout[0].group_id] for rollout in rollouts])
+    lengths = torch.tensor([_trainable(rollout) for rollout in rollouts], dtype=torch.float32)
+    advantages = ESTIMATORS[algo.estimator](rewards, groups, lengths).tolist()
+    if not algo.filter_zero_variance:
+        return advantages, [True] * len(rollouts), {}
+    flat = zero_variance_groups(rewards, groups)
+    return advantages, (~flat).tolist(), {"filter/zero_variance_frac": float(flat.float().mean())}
+
+
+def _bound_staleness(rollouts: list[Rollout], version: int,
+                     algo: AlgoConfig) -> tuple[list[Rollout | None], dict]:
+    """Each rollout within `max_staleness`: None where a stale token drops it (`drop`), or with its stale
+    tokens taken out of the mask (`mask`)."""
+    bounded, stale_count = [], 0
+    for rollout in rollouts:
+        stale = [stale_tokens(torch.tensor(t.versions), torch.tensor(t.mask), version, algo.max_staleness).tolist()
+                 for t in rollout]
+        stale_count += sum(map(sum, stale))
+        if not any(map(any, stale)):
+            bounded.append(rollout)
+        elif algo.staleness_mode == "drop":
+            bounded.append(None)
+        else:
+            bounded.append([replace(t, mask=[0 if s else m for s, m in zip(flags, t.mask)])
+                            for t, flags in zip(rollout, stale)])
+    return bounded, {"staleness/dropped_rollouts": bounded.count(None), "staleness/stale_tokens": stale_count}
+
+
+def _train_items(rollout: Rollout, advantage: float, version: int) -> list[TrainItem]:
+    """The rollout's segments that still train a token, each token with its age."""
+    return [TrainItem(token_ids=t.token_ids, mask=t.mask, logprobs=t.logprobs,
+                      ages=[version - v if m else 0 for v, m in zip(t.versions, t.mask)], advantage=advantage,
+                      routes=t.routes, images=t.mm["tensors"] if t.mm else None)
+            for t in rollout if any(t.mask)]
+
+
+def _trained_stats(items: list[TrainItem], rollouts: int, groups: list[dict]) -> dict:
+    ages = [{age for age, m in zip(item.ages, item.mask) if m} for item in items]
+    return {"tokens/trained": sum(sum(item.mask) for item in items), "rollouts/trained": rollouts,
+            "staleness/trained_max": max((max(a) for a in ages), default=0),
+            # partial rollouts: the weights changed while the segment was sampled
+            "versions/mixed_trajectories": sum(len(a) > 1 for a in ages),
+            "data/groups": sorted(group["group_index"] for group in groups)}
+
+
+def _trainable(rollout: Rollout) -> int:
+    return sum(t.num_trainable for t in rollout)

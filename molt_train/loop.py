@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from molt_train import checkpoint
+from molt_train.actor.policy import StepStats
 from molt_train.batch import assemble
 from molt_train.metrics import Metrics, plot
 from molt_train.runtime import Runtime
@@ -76,23 +77,31 @@ async def train(config, run_dir: Path, model_dir: str) -> None:
 
 
 TRAIN_KEYS = ("loss", "clip_frac", "entropy", "kl", "grad_norm", "mismatch/kl", "mismatch/max_abs",
-              "is/filtered_frac")
+              "mismatch/tokens", "offpolicy/kl", "offpolicy/tokens", "is/filtered_frac")
 
 
-def _train_stats(result: dict) -> dict:
-    tokens = max(result["tokens"], 1)
+def _train_stats(stats: StepStats) -> dict:
+    """The trainer's statistics as metrics, per token; None where nothing was measured."""
+    def per(total, count):
+        return total / count if total is not None and count else None
+
     routing = {}
-    if result.get("routing_compared"):  # MoE with engine routes: how often the trainer's own top-k agrees
-        routing["routing/agreement"] = result["routing_hits"] / result["routing_compared"]
+    if stats.routing_compared:  # MoE with engine routes: how often the trainer's own top-k agrees
+        routing["routing/agreement"] = stats.routing_hits / stats.routing_compared
     return routing | {
-        "loss": result["loss"] / tokens,
-        "clip_frac": result["clip_frac"] / tokens,
-        "entropy": result["entropy"] / tokens,
-        "kl": result["kl"] / tokens,
-        "grad_norm": result["grad_norm"],
-        "mismatch/kl": result["mismatch_kl_sum"] / tokens,
-        "mismatch/max_abs": result["mismatch_max"],
-        "is/filtered_frac": 1.0 - result["is_kept"] / tokens,
+        "loss": stats.loss_sum / stats.tokens,
+        "clip_frac": stats.clipped_tokens / stats.tokens,
+        "entropy": per(stats.entropy_sum, stats.tokens),
+        "kl": per(stats.kl_sum, stats.tokens),
+        "grad_norm": stats.grad_norm,
+        # Tokens sampled by the weights the trainer holds: ~0 unless the engine or the weight sync is broken.
+        "mismatch/kl": per(stats.mismatch_kl_sum, stats.mismatch_tokens),
+        "mismatch/max_abs": stats.mismatch_max_abs,
+        "mismatch/tokens": stats.mismatch_tokens,
+        # Tokens sampled by older weights: how far the policy moved since.
+        "offpolicy/kl": per(stats.offpolicy_kl_sum, stats.offpolicy_tokens),
+        "offpolicy/tokens": stats.offpolicy_tokens,
+        "is/filtered_frac": 1.0 - stats.kept_tokens / stats.tokens,
     }
 
 

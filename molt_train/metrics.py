@@ -60,7 +60,7 @@ PANELS = [
     ("reward", ["reward/mean"]),
     ("response length (tokens)", ["response_len/mean"]),
     ("seconds per step", ["time/generate", "time/wait", "time/train", "time/sync"]),
-    ("trainer vs engine", ["mismatch/kl", "is/filtered_frac"]),
+    ("trainer vs engine", ["mismatch/kl", "offpolicy/kl", "is/filtered_frac"]),
 ]
 
 

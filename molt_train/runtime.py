@@ -38,7 +38,7 @@ class Runtime:
                                       config.seed + i, state["version"], config.agent, rollout.episode_timeout,
                                       rollout.allow_remote_images)
                         for i in range(config.engine.workers)]
-        self.trainer = TrainerGroup(start_dir, config)
+        self.trainer = TrainerGroup(model_dir, start_dir, config)
         print(f"# actor: {await self.trainer.ranks[0].describe.remote()}", flush=True)
         if resume_from:
             await self.trainer.restore(str(resume_from))

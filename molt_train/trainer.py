@@ -1,8 +1,9 @@
 """The policy trainer group: `world_size` FSDP2 ranks as Ray actors, driven in lockstep.
 
 Every call goes to all ranks at once (they run collectives together); rank 0
-sends the weights to the engines (bucketed broadcast) or returns them whole. The batch is packed into
-micro-batches by token budget and dealt to the ranks in equal numbers.
+sends the weights to the engines (bucketed broadcast) or returns them whole.
+The batch is packed into micro-batches by token budget and dealt to the ranks
+in equal numbers; the ranks' step statistics are combined as each declares.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ import socket
 
 import ray
 
-from molt_train.actor.policy import PolicyRank, TrainSettings
-from molt_train.packing import deal, pack
+from molt_train.actor.policy import PolicyRank, StepStats
+from molt_train.config import Config
+from molt_train.packing import TrainItem, deal, pack
 
 
 def _free_port() -> int:
@@ -22,33 +24,24 @@ def _free_port() -> int:
 
 
 class TrainerGroup:
-    def __init__(self, model_dir: str, config):
-        algo, train = config.algo, config.train
-        settings = TrainSettings(
-            lr=train.lr, weight_decay=train.weight_decay, grad_clip=train.grad_clip,
-            warmup_steps=train.warmup_steps, total_steps=config.steps * train.updates_per_batch,
-            lr_schedule=train.lr_schedule, min_lr_ratio=train.min_lr_ratio, estimator=algo.estimator, clip_low=algo.clip_low,
-            clip_high=algo.clip_high, dual_clip=algo.dual_clip, kl_coef=algo.kl_coef,
-            kl_estimator=algo.kl_estimator, kl_in_reward=algo.kl_in_reward, entropy_coef=algo.entropy_coef, is_level=algo.is_level,
-            is_mode=algo.is_mode, is_low=algo.is_low, is_high=algo.is_high, routing_replay=train.routing_replay,
-            freeze_moe_router=config.actor.freeze_moe_router)
+    def __init__(self, model_dir: str, start_dir: str, config: Config):
+        """Ranks that train from the weights in `start_dir` (the model, or a checkpoint's policy when
+        resuming), with the run's model in `model_dir` as the KL reference."""
         self.world_size = config.actor.world_size
-        self.micro_batch_tokens, self.updates = train.micro_batch_tokens, train.updates_per_batch
+        self.micro_batch_tokens, self.updates = config.train.micro_batch_tokens, config.train.updates_per_batch
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         gpus = 1 if _cuda() else 0
         actor = ray.remote(num_cpus=0, num_gpus=gpus)(PolicyRank)
-        self.ranks = [actor.remote(model_dir, rank, self.world_size, init_method, settings, config.seed,
-                                   config.actor.backend, algo.kl_coef > 0)
+        self.ranks = [actor.remote(model_dir, start_dir, rank, self.world_size, init_method, config.train,
+                                   config.algo, config.actor, config.steps, config.seed)
                       for rank in range(self.world_size)]
 
-    async def step(self, items: list[dict]) -> dict:
+    async def step(self, items: list[TrainItem]) -> StepStats:
+        """One optimizer step (or `updates_per_batch` of them) on `items`; the statistics of the whole group."""
         shares = deal(pack(items, self.micro_batch_tokens), self.world_size)
-        step_tokens = sum(sum(item["mask"]) for item in items)
-        results = await _gather([rank.step.remote(share, step_tokens, self.updates)
-                                 for rank, share in zip(self.ranks, shares)])
-        total = {k: sum(r[k] for r in results) for k in results[0] if k != "mismatch_max"}
-        total["mismatch_max"] = max(r["mismatch_max"] for r in results)
-        return total
+        step_tokens = sum(sum(item.mask) for item in items)
+        return StepStats.reduce(await _gather([rank.step.remote(share, step_tokens, self.updates)
+                                               for rank, share in zip(self.ranks, shares)]))
 
     async def weights(self) -> dict:
         return (await _gather([rank.full_weights.remote(for_sync=True) for rank in self.ranks]))[0]

@@ -136,9 +136,11 @@ def test_importance_sequence_and_geometric_levels():
 def test_staleness_and_mismatch():
     versions, mask = T([-1, 3, 5, 6]), T([0, 1, 1, 1])
     assert stale_tokens(versions, mask, current_version=6, max_staleness=1).tolist() == [False, True, False, False]
-    stats = mismatch(TRAINER, ENGINE, MASK)
-    assert stats["max_abs"] == pytest.approx(0.5)
-    assert stats["kl"] == pytest.approx(((math.exp(0.5) - 1.5) + (math.exp(-0.5) - 0.5)) / 4)
+    kl_sum, max_abs = mismatch(TRAINER, ENGINE, MASK)
+    assert max_abs == pytest.approx(0.5)
+    assert kl_sum == pytest.approx((math.exp(0.5) - 1.5) + (math.exp(-0.5) - 0.5))
+    assert mismatch(TRAINER, ENGINE, T([0.0, 1.0, 0.0, 0.0])) == pytest.approx((math.exp(-0.5) - 0.5, 0.5))
+    assert mismatch(TRAINER, ENGINE, T([0.0, 0.0, 0.0, 0.0])) == (0.0, None)  # no token: no max
 
 
 def test_kl_as_reward_subtracts_the_kl_still_to_come():

@@ -9,6 +9,7 @@ micro-batch), the one the logprob recompute and training use.
 import asyncio
 import base64
 import io
+from dataclasses import replace
 
 import httpx
 import numpy as np
@@ -28,7 +29,7 @@ from molt_agents.multimodal import Vision, image_axis
 from molt_agents.runner import run_episode
 from molt_env.trajectory import check
 from molt_train.actor.policy import token_logprobs
-from molt_train.packing import pack
+from molt_train.packing import TrainItem, pack
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +64,8 @@ def engine(request, vlm_dir):
 
 
 def _items(trajectories):
-    return [{"token_ids": t.token_ids, "mask": t.mask, "logprobs": t.logprobs, "advantage": 1.0,
-             "images": t.mm["tensors"] if t.mm else None} for t in trajectories]
+    return [TrainItem(token_ids=t.token_ids, mask=t.mask, logprobs=t.logprobs, ages=[0] * len(t.token_ids),
+                      advantage=1.0, images=t.mm["tensors"] if t.mm else None) for t in trajectories]
 
 
 def _trainer_vs_engine(model, trajectories):
@@ -128,7 +129,7 @@ def test_the_image_is_really_used(hf_vlm, vision, actor):
     other = dict(trajectory.mm["tensors"])
     other["pixel_values"] = vision.encode(vision.image_token, [_picture(7)])[2][0]["pixel_values"]
     (same,), (changed,) = (pack(_items([trajectory]), 4096),
-                           pack([{**_items([trajectory])[0], "images": other}], 4096))
+                           pack([replace(_items([trajectory])[0], images=other)], 4096))
     with torch.no_grad():
         a, b = token_logprobs(actor, same)[0], token_logprobs(actor, changed)[0]
     assert torch.equal(same.input_ids, changed.input_ids)

@@ -19,7 +19,7 @@ from molt_agents.engines.hf_engine import HFEngine, router_modules
 from molt_train.actor.policy import token_logprobs
 from molt_train.actor import automodel
 from molt_train.actor.routing_replay import RoutingReplay, agreement, freeze_routers, moe_routers, replayed_gates
-from molt_train.packing import pack
+from molt_train.packing import TrainItem, pack
 
 
 def test_replayed_gates_by_hand():
@@ -53,8 +53,9 @@ def _samples(engine, tokenizer, n=6):
 
 
 def _items(prompt, samples):
-    return [{"token_ids": prompt + s.token_ids, "mask": [0] * len(prompt) + [1] * len(s.token_ids),
-             "logprobs": [None] * len(prompt) + s.logprobs, "advantage": 1.0, "routes": s.routes}
+    return [TrainItem(token_ids=prompt + s.token_ids, mask=[0] * len(prompt) + [1] * len(s.token_ids),
+                      logprobs=[None] * len(prompt) + s.logprobs, ages=[0] * (len(prompt) + len(s.token_ids)),
+                      advantage=1.0, routes=s.routes)
             for s in samples]
 
 
@@ -179,8 +180,8 @@ def test_replay_of_routes_captured_inside_vllm_cpu(vllm_moe, moe_dir):
 def test_unknown_routes_fall_back_to_live_routing(moe_dir):
     model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
     ids = list(range(5, 45))
-    (mb,) = pack([{"token_ids": ids, "mask": [1] * 40, "logprobs": [0.0] * 40, "advantage": 1.0,
-                   "routes": None}], 4096)
+    (mb,) = pack([TrainItem(token_ids=ids, mask=[1] * 40, logprobs=[0.0] * 40, ages=[0] * 40, advantage=1.0)],
+                 4096)
     with torch.no_grad():
         live, _ = token_logprobs(model, mb)
     routing = RoutingReplay(model, replay=True)
@@ -208,8 +209,8 @@ def test_router_gets_gradients_under_replay_unless_frozen(moe_dir, frozen):
     generator = torch.Generator().manual_seed(1)
     routes = torch.stack([torch.randperm(routing.routers[0].num_experts, generator=generator)[:top_k]
                           for _ in range(40 * layers)]).view(40, layers, top_k)
-    (mb,) = pack([{"token_ids": list(range(5, 45)), "mask": [1] * 40, "logprobs": [0.0] * 40,
-                   "advantage": 1.0, "routes": routes.numpy()}], 4096)
+    (mb,) = pack([TrainItem(token_ids=list(range(5, 45)), mask=[1] * 40, logprobs=[0.0] * 40, ages=[0] * 40,
+                            advantage=1.0, routes=routes.numpy())], 4096)
     with routing.use(mb.routes):
         logprobs, _ = token_logprobs(model, mb)
     (-logprobs.sum()).backward()

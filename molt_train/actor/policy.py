@@ -5,10 +5,12 @@ AutoModel's own class for the MoE architectures it implements; either way
 its weights leave (for the engines, for checkpoints) as Hugging Face tensors.
 
 Every rank of the group runs the same calls on its own share of the
-micro-batches: `logprobs` (no grad: the proximal policy's logprobs, the
-reference model's, the trainer-vs-engine mismatch), then `train` (one or more
+micro-batches. `step` recomputes the logprobs without gradients (the proximal
+policy's, and the reference model's: the run's initial model, anchor of the
+KL penalty), measures them against the engine's, then `train`s (one or more
 optimizer steps, gradient accumulation over micro-batches, token-level loss
-normalisation over the whole step, gradient clipping). Every rank takes part
+normalisation over the whole step, gradient clipping). It returns the rank's
+`StepStats`, which declare how the group combines them. Every rank takes part
 in gathering full tensors for the weight sync and checkpoints; rank 0 sends
 them to the engines and writes the files.
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
 
@@ -28,34 +30,60 @@ from molt_train.actor import automodel, fsdp
 from molt_train.actor.routing_replay import RoutingReplay, freeze_routers, moe_routers
 from molt_train.algorithms.advantages import kl_penalized_advantages
 from molt_train.algorithms.losses import entropy_from_logits, gspo_loss, kl, ppo_clip_loss
-from molt_train.algorithms.off_policy import importance_weights
+from molt_train.algorithms.off_policy import importance_weights, mismatch
+from molt_train.config import ActorConfig, AlgoConfig, TrainConfig
 from molt_train.packing import MicroBatch
 from molt_train.weight_sync import Channel, free_endpoint, plan_buckets, tensor_meta
 
 
+def _reduced(how: str, default=0):
+    return field(default=default, metadata={"reduce": how})
+
+
 @dataclass
-class TrainSettings:
-    lr: float
-    weight_decay: float
-    grad_clip: float
-    warmup_steps: int
-    total_steps: int
-    lr_schedule: str
-    min_lr_ratio: float
-    estimator: str
-    clip_low: float
-    clip_high: float
-    dual_clip: float | None
-    kl_coef: float
-    kl_estimator: str
-    kl_in_reward: bool
-    entropy_coef: float
-    is_level: str
-    is_mode: str
-    is_low: float
-    is_high: float
-    routing_replay: bool = True
-    freeze_moe_router: bool = False
+class StepStats:
+    """What one rank measured in one step, mostly as sums over its tokens (the loop turns them into
+    per-token values). Each field declares how `reduce` combines the ranks': `sum`, `max`, or `same`
+    (every rank holds the same value). None means not measured (no such token, or the term is off)."""
+
+    tokens: int = _reduced("sum")  # trainable tokens
+    loss_sum: float = _reduced("sum", 0.0)
+    clipped_tokens: float = _reduced("sum", 0.0)  # tokens whose ratio the PPO / GSPO clip cut
+    kept_tokens: int = _reduced("sum")  # tokens the importance-sampling correction kept
+    entropy_sum: float | None = _reduced("sum", None)  # measured only with an entropy bonus
+    kl_sum: float | None = _reduced("sum", None)  # KL to the reference model; only with one
+    # Clipping computes the global norm on every rank. Mean over the batch's optimizer steps.
+    grad_norm: float = _reduced("same", 0.0)
+    # Trainer vs engine on tokens sampled by the weights the trainer holds: a gap here is the engine's.
+    mismatch_tokens: int = _reduced("sum")
+    mismatch_kl_sum: float = _reduced("sum", 0.0)
+    mismatch_max_abs: float | None = _reduced("max", None)
+    # Trainer vs engine on tokens sampled by older weights: how far the policy moved since.
+    offpolicy_tokens: int = _reduced("sum")
+    offpolicy_kl_sum: float = _reduced("sum", 0.0)
+    routing_hits: int = _reduced("sum")  # MoE: tokens x layers where the trainer's top-k equals the engine's
+    routing_compared: int = _reduced("sum")
+
+    @classmethod
+    def reduce(cls, ranks: list[StepStats]) -> StepStats:
+        """The group's statistics from its ranks'; a rank's None (nothing measured) is left out."""
+        values = {}
+        for f in fields(cls):
+            measured = [getattr(stats, f.name) for stats in ranks if getattr(stats, f.name) is not None]
+            how = f.metadata["reduce"]
+            if not measured:
+                values[f.name] = None
+            elif how == "sum":
+                values[f.name] = sum(measured)
+            elif how == "max":
+                values[f.name] = max(measured)
+            elif how == "same":
+                if any(not math.isclose(value, measured[0], rel_tol=1e-6) for value in measured):
+                    raise ValueError(f"{f.name} differs between the trainer ranks: {measured}")
+                values[f.name] = measured[0]
+            else:
+                raise ValueError(f"{f.name}: unknown reduction {how!r}")
+        return cls(**values)
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float) -> float:
@@ -89,29 +117,32 @@ def token_logprobs(model, mb: MicroBatch, with_entropy: bool = False):
 
 
 class PolicyRank:
-    def __init__(self, model_dir: str, rank: int, world_size: int, init_method: str, settings: TrainSettings,
-                 seed: int = 0, backend: str = "fsdp2", with_reference: bool = False):
+    def __init__(self, model_dir: str, start_dir: str, rank: int, world_size: int, init_method: str,
+                 train: TrainConfig, algo: AlgoConfig, actor: ActorConfig, steps: int, seed: int = 0):
+        """The policy starts from the weights in `start_dir` (the run's model, or a checkpoint's policy when
+        resuming); the reference model of the KL penalty is always the run's model in `model_dir`."""
         torch.manual_seed(seed)
-        self.rank, self.world_size, self.settings = rank, world_size, settings
+        self.rank, self.world_size = rank, world_size
+        self.train_config, self.algo = train, algo
         self.device = fsdp.init_process_group(rank, world_size, init_method)
-        model = self._load(model_dir, backend)
-        if settings.freeze_moe_router:
+        model = self._load(start_dir, actor.backend)
+        if actor.freeze_moe_router:
             freeze_routers(model)
         # Routers of a MoE policy are hooked: to replay the engine's experts, and to measure agreement.
-        self.routing = RoutingReplay(model, settings.routing_replay) if moe_routers(model) else None
+        self.routing = RoutingReplay(model, train.routing_replay) if moe_routers(model) else None
         origin = "NeMo AutoModel's own" if automodel.is_native(model) else "transformers'"
-        self.description = f"{origin} {type(model).__name__} on {world_size} {backend} rank(s)"
-        self.model = self._shard(model, backend)
+        self.description = f"{origin} {type(model).__name__} on {world_size} {actor.backend} rank(s)"
+        self.model = self._shard(model, actor.backend)
         self.frozen = {name for name, p in self.model.named_parameters() if not p.requires_grad}
         self.reference = None
-        if with_reference:
-            self.reference = self._shard(self._load(model_dir, backend), backend)
+        if algo.kl_coef > 0:
+            self.reference = self._shard(self._load(model_dir, actor.backend), actor.backend)
             self.reference.requires_grad_(False)
-        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=settings.lr,
-                                           weight_decay=settings.weight_decay)
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=train.lr,
+                                           weight_decay=train.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(
-            lr_factor, warmup_steps=settings.warmup_steps, total_steps=settings.total_steps,
-            schedule=settings.lr_schedule, min_ratio=settings.min_lr_ratio))
+            lr_factor, warmup_steps=train.warmup_steps, total_steps=steps * train.updates_per_batch,
+            schedule=train.lr_schedule, min_ratio=train.min_lr_ratio))
 
     def describe(self) -> str:
         """Which model class trains, and how it is sharded."""
@@ -140,20 +171,21 @@ class PolicyRank:
 
     # ------------------------------------------------------------------
 
-    def step(self, micro_batches: list[MicroBatch], step_tokens: int, updates: int = 1) -> dict:
-        """One batch: recompute logprobs, measure the engine mismatch, train. Statistics are sums."""
+    def step(self, micro_batches: list[MicroBatch], step_tokens: int, updates: int = 1) -> StepStats:
+        """One batch: recompute the logprobs, measure them against the engine's, train."""
         prepared = self.logprobs(micro_batches)
         trainer = torch.cat([p["old"] for p in prepared])
         engine = torch.cat([mb.engine_logprobs for mb in micro_batches])
-        mask = torch.cat([mb.mask for mb in micro_batches]).bool()
-        delta = (trainer - engine)[mask]
+        trained = torch.cat([mb.mask for mb in micro_batches]).bool()
+        fresh = trained & (torch.cat([mb.ages for mb in micro_batches]) == 0)
+        stale = trained & ~fresh
+        mismatch_kl_sum, mismatch_max_abs = mismatch(trainer, engine, fresh)
+        offpolicy_kl_sum, _ = mismatch(trainer, engine, stale)
+        hits, compared = self.routing.take_agreement() if self.routing is not None else (0, 0)
         stats = self.train(micro_batches, prepared, step_tokens, updates)
-        stats["mismatch_kl_sum"] = float((torch.exp(delta) - 1 - delta).sum())
-        stats["mismatch_max"] = float(delta.abs().max()) if delta.numel() else 0.0
-        stats["tokens"] = int(mask.sum())
-        if self.routing is not None:
-            stats["routing_hits"], stats["routing_compared"] = self.routing.take_agreement()
-        return stats
+        return replace(stats, mismatch_tokens=int(fresh.sum()), mismatch_kl_sum=mismatch_kl_sum,
+                       mismatch_max_abs=mismatch_max_abs, offpolicy_tokens=int(stale.sum()),
+                       offpolicy_kl_sum=offpolicy_kl_sum, routing_hits=hits, routing_compared=compared)
 
     @torch.no_grad()
     def logprobs(self, micro_batches: list[MicroBatch]) -> list[dict]:
@@ -168,47 +200,46 @@ class PolicyRank:
         return out
 
     def train(self, micro_batches: list[MicroBatch], prepared: list[dict], step_tokens: int,
-              updates: int = 1) -> dict:
-        """`updates` optimizer steps over the micro-batches (split evenly); returns summed statistics."""
-        s = self.settings
+              updates: int = 1) -> StepStats:
+        """`updates` optimizer steps over the micro-batches (split evenly)."""
+        algo = self.algo
         self.model.train()
-        chunks = [micro_batches[i::updates] for i in range(updates)]
-        chunk_prep = [prepared[i::updates] for i in range(updates)]
-        stats = {"loss": 0.0, "clip_frac": 0.0, "entropy": 0.0, "kl": 0.0, "grad_norm": 0.0, "is_kept": 0.0}
-        for chunk, prep in zip(chunks, chunk_prep):
-            # Token-level aggregation over the optimizer step; FSDP averages over ranks, so scale back up.
-            scale = self.world_size * updates / max(step_tokens, 1)
-            for mb, p in zip(chunk, prep):
+        stats = StepStats(tokens=int(sum(mb.mask.sum() for mb in micro_batches)),
+                          entropy_sum=0.0 if algo.entropy_coef > 0 else None,
+                          kl_sum=0.0 if self.reference is not None else None)
+        # Token-level aggregation over the optimizer step; FSDP averages over ranks, so scale back up.
+        scale = self.world_size * updates / max(step_tokens, 1)
+        for update in range(updates):
+            for mb, p in zip(micro_batches[update::updates], prepared[update::updates]):
                 with self._routes(mb):
-                    logprobs, entropy = token_logprobs(self.model, mb, with_entropy=s.entropy_coef > 0)
+                    logprobs, entropy = token_logprobs(self.model, mb, with_entropy=algo.entropy_coef > 0)
                 weights, keep = importance_weights(p["old"], mb.engine_logprobs, mb.mask, mb.sequence,
-                                                   s.is_level, s.is_mode, s.is_low, s.is_high)
+                                                   algo.is_level, algo.is_mode, algo.is_low, algo.is_high)
                 mask = mb.mask * keep
                 advantages = mb.advantages
-                if s.kl_coef > 0 and s.kl_in_reward and p["ref"] is not None:
-                    advantages = kl_penalized_advantages(advantages, kl(p["old"], p["ref"], s.kl_estimator),
-                                                         mask, mb.sequence, s.kl_coef)
-                if s.estimator == "gspo":
+                if algo.kl_in_reward and p["ref"] is not None:
+                    advantages = kl_penalized_advantages(advantages, kl(p["old"], p["ref"], algo.kl_estimator),
+                                                         mask, mb.sequence, algo.kl_coef)
+                if algo.estimator == "gspo":
                     loss, clipped = gspo_loss(logprobs, p["old"], advantages, mask, mb.sequence,
-                                              s.clip_low, s.clip_high, weights)
+                                              algo.clip_low, algo.clip_high, weights)
                 else:
                     loss, clipped = ppo_clip_loss(logprobs, p["old"], advantages, mask,
-                                                  s.clip_low, s.clip_high, s.dual_clip, weights)
-                if s.kl_coef > 0 and p["ref"] is not None:
-                    kl_sum = (kl(logprobs, p["ref"], s.kl_estimator) * mask).sum()
-                    if not s.kl_in_reward:
-                        loss = loss + s.kl_coef * kl_sum
-                    stats["kl"] += float(kl_sum.detach())
+                                                  algo.clip_low, algo.clip_high, algo.dual_clip, weights)
+                if p["ref"] is not None:
+                    kl_per_token = kl(logprobs, p["ref"], algo.kl_estimator)
+                    if not algo.kl_in_reward:
+                        loss = loss + algo.kl_coef * (kl_per_token * mask).sum()
+                    stats.kl_sum += float((kl_per_token.detach() * mb.mask).sum())
                 if entropy is not None:
-                    entropy_sum = (entropy * mask).sum()
-                    loss = loss - s.entropy_coef * entropy_sum
-                    stats["entropy"] += float(entropy_sum.detach())
+                    loss = loss - algo.entropy_coef * (entropy * mask).sum()
+                    stats.entropy_sum += float((entropy.detach() * mb.mask).sum())
                 (loss * scale).backward()
-                stats["loss"] += float(loss.detach())
-                stats["clip_frac"] += float(clipped) * float(mask.sum())
-                stats["is_kept"] += float(mask.sum())
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip)
-            stats["grad_norm"] += float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm) / updates
+                stats.loss_sum += float(loss.detach())
+                stats.clipped_tokens += float(clipped) * float(mask.sum())
+                stats.kept_tokens += int(mask.sum())
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_config.grad_clip)
+            stats.grad_norm += float(_full_tensor(norm)) / updates
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)

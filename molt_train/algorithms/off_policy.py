@@ -3,14 +3,19 @@
 The engine sampled each token with some weight version and reported its
 logprob; the trainer recomputes the logprob with its own weights. They differ
 because the weights moved (asynchronous training, partial rollout) and
-because engine and trainer kernels differ. Two controls, pure functions:
+because engine and trainer kernels differ. Two controls and a measurement,
+pure functions:
 
 - `stale_tokens`: which trainable tokens are older than `max_staleness`
-  versions (the loop then drops their rollouts, or masks the tokens).
+  versions (the batch then drops their rollouts, or masks the tokens).
 - `importance_weights`: ratio = exp(trainer - engine) at the token, sequence
   (sum) or geometric-mean level, turned into a weight per token by `mask`
   (drop what falls outside [low, high]), `clip` (clamp into [low, high]) or
   `truncate` (cap at high, TIS: Yao et al. 2025).
+- `mismatch`: how far apart the two logprobs are. Over tokens sampled by
+  the weights the trainer holds it measures the engine against the trainer
+  (it should be ~0: a gap means a broken engine or weight sync); over older
+  tokens it measures staleness.
 """
 
 from __future__ import annotations
@@ -55,10 +60,13 @@ def importance_weights(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Te
     return weights.detach(), keep & mask.bool()
 
 
-def mismatch(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor) -> dict:
-    """Trainer-vs-engine logprob mismatch over trainable tokens: k3 KL(engine || trainer) and max |Δ|."""
+def mismatch(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor,
+             mask: torch.Tensor) -> tuple[float, float | None]:
+    """Trainer-vs-engine logprob mismatch over the tokens in `mask`: the k3 estimate of KL(engine || trainer)
+    summed over them (sums add up across micro-batches and ranks; divide by the token count), and the
+    largest |trainer - engine| (None when `mask` selects no token)."""
     m = mask.bool()
     if not m.any():
-        return {"kl": 0.0, "max_abs": 0.0}
+        return 0.0, None
     delta = (trainer_logprobs - engine_logprobs)[m]
-    return {"kl": float((torch.exp(delta) - 1 - delta).mean()), "max_abs": float(delta.abs().max())}
+    return float((torch.exp(delta) - 1 - delta).sum()), float(delta.abs().max())

@@ -20,19 +20,22 @@ from pathlib import Path
 from molt_train import checkpoint
 from molt_train.actor.policy import StepStats
 from molt_train.batch import assemble
+from molt_train.console import Console
 from molt_train.metrics import Metrics, plot
 from molt_train.runtime import Runtime
 
 
-async def train(config, run_dir: Path, model_dir: str) -> None:
+async def train(config, run_dir: Path, model_dir: str, console: Console) -> None:
     resume_from = checkpoint.latest(run_dir) if config.resume else None
     state = checkpoint.load_state(resume_from) if resume_from else {
         "step": 0, "version": 0, "data": {"next_index": 0, "redo": []}}
-    runtime = await Runtime.start(config, model_dir, resume_from, state)
+    if resume_from:
+        console.phase(f"resuming from {resume_from}")
+    runtime = await Runtime.start(config, model_dir, resume_from, state, console.phase)
     metrics = Metrics(run_dir, config, resume_step=state["step"])
     step, version = state["step"], state["version"]
+    progress = console.progress(config.steps, step)
     try:
-        progress = _progress_bar(config.steps, step)
         reported: set[str] = set()  # failure messages already shown
         while step < config.steps:
             started = time.perf_counter()
@@ -43,7 +46,8 @@ async def train(config, run_dir: Path, model_dir: str) -> None:
             example = stats.pop("episodes/failure_example", None)
             if example and example.splitlines()[0] not in reported:
                 reported.add(example.splitlines()[0])
-                progress.write(f"molt-train: step {step + 1}: an episode failed and was dropped:\n{example}")
+                progress.write(f"molt-train: step {step + 1}: an episode failed and was dropped:\n{example}",
+                               file=console.terminal)
             started = time.perf_counter()
             if items:
                 stats |= _train_stats(await runtime.trainer.step(items))
@@ -59,7 +63,7 @@ async def train(config, run_dir: Path, model_dir: str) -> None:
             step += 1
             stats |= {"version": version, "time/wait": waited,
                       "time/generate": sum(g["seconds"] for g in groups) / len(groups), "time/train": trained,
-                      "time/sync": synced,
+                      "time/sync": synced, "rollouts/lost_groups": runtime.groups.take_lost(),
                       "throughput/tokens_per_s": stats["tokens/trained"] / max(waited + trained + synced, 1e-9)}
             metrics.log(step, stats)
             progress.update(1)
@@ -69,11 +73,11 @@ async def train(config, run_dir: Path, model_dir: str) -> None:
             if step == config.steps or (config.ckpt.every and step % config.ckpt.every == 0):
                 state = {"step": step, "version": version, "data": runtime.groups.position(), "seed": config.seed}
                 await checkpoint.save(runtime.trainer, run_dir, model_dir, state, config.ckpt.keep)
-        progress.close()
     finally:
+        progress.close()
         metrics.close()
         await runtime.close()
-    print(f"plots: {plot(run_dir)}")
+    console.say(f"plots: {plot(run_dir)}")
 
 
 TRAIN_KEYS = ("loss", "clip_frac", "entropy", "kl", "grad_norm", "mismatch/kl", "mismatch/max_abs",
@@ -105,11 +109,5 @@ def _train_stats(stats: StepStats) -> dict:
     }
 
 
-def _progress_bar(total: int, done: int):
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=done, desc="molt-train", unit="step", dynamic_ncols=True)
-
-
-def run(config, run_dir: Path, model_dir: str) -> None:
-    asyncio.run(train(config, run_dir, model_dir))
+def run(config, run_dir: Path, model_dir: str, console: Console) -> None:
+    asyncio.run(train(config, run_dir, model_dir, console))

@@ -8,7 +8,9 @@ only generates what the next step consumes (synchronous, on-policy); above
 0 generation runs ahead of training by up to that many groups.
 
 An environment that raises costs its episode, not the run: the group comes
-back without it and the failure is counted.
+back without it and the failure is counted. A worker whose process dies
+costs the groups it was playing: they are counted as lost and played again,
+on the worker Ray restarts once the runtime has brought it up to date.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ import asyncio
 import dataclasses
 import time
 import traceback
+import uuid
+
+import ray
 
 from molt_agents.engines.base import SamplingParams
 
@@ -51,6 +56,7 @@ class RolloutWorker:
             self.loopback = Loopback(self.engine, self.tokenizer, max_model_len=engine["max_model_len"],
                                      default_max_tokens=self.params.max_tokens, vision=self.vision,
                                      image_limits=ImageLimits(allow_remote=allow_remote_images))
+        self.id = uuid.uuid4().hex  # a new one when Ray restarts this worker in a new process
         self.in_flight = 0
         self.idle = asyncio.Event()
         self.idle.set()
@@ -144,21 +150,32 @@ class RolloutWorker:
         finally:
             self.admitting.set()
 
-    def version(self) -> int:
-        return self.engine.version
+    async def load_weights(self, weights: dict, version: int) -> None:
+        """Bring a restarted worker up to the run: the current weights, and the version they are."""
+        await self.engine.pause()  # groups Ray queued on the new process may be sampling already
+        try:
+            await self.engine.update_weights(list(weights.items()))
+            self.engine.version = version
+        finally:
+            await self.engine.resume()
+
+    def instance(self) -> str:
+        return self.id
 
 
 class GroupStream:
     """Finished groups from the workers, in completion order, with a bounded look-ahead."""
 
     def __init__(self, workers, group_size: int, groups_per_step: int, queue_size: int, seed: int,
-                 next_index: int = 0, redo: list[int] | None = None):
-        self.workers, self.group_size = workers, group_size
+                 next_index: int = 0, redo: list[int] | None = None, recover=None):
+        """`recover()` is awaited when a worker died under a group: it brings restarted workers up to the run."""
+        self.workers, self.group_size, self.recover = workers, group_size, recover
         self.groups_per_step, self.queue_size, self.seed = groups_per_step, queue_size, seed
         self.next_index = next_index
         self.redo = sorted(redo or ())  # groups started but not trained before a resume
-        self.in_flight: dict[asyncio.Future, int] = {}
+        self.in_flight: dict[asyncio.Future, int] = {}  # group index
         self.done: list[dict] = []
+        self.lost = 0  # groups whose worker died while playing them, since the last `take_lost`
         self._turn = 0
 
     def env_seed(self, index: int) -> int:
@@ -184,13 +201,28 @@ class GroupStream:
         self.fill()
         while len(self.done) < self.groups_per_step:
             finished, _ = await asyncio.wait(list(self.in_flight), return_when=asyncio.FIRST_COMPLETED)
+            lost = 0
             for future in finished:
-                del self.in_flight[future]
-                self.done.append(future.result())
+                index = self.in_flight.pop(future)
+                try:
+                    self.done.append(future.result())
+                except ray.exceptions.RayActorError:  # the worker's process died: play the group again
+                    lost += 1
+                    self.redo = sorted([*self.redo, index])
+            if lost:  # (its other groups in flight fail too, and are redone the same way)
+                self.lost += lost
+                if self.recover is not None:
+                    await self.recover()
+                self.fill()
         batch, self.done = self.done[: self.groups_per_step], self.done[self.groups_per_step:]
         if self.queue_size:
             self.fill()  # async: the next groups generate while this step trains
         return batch
+
+    def take_lost(self) -> int:
+        """Groups lost with a dead worker since the last call."""
+        lost, self.lost = self.lost, 0
+        return lost
 
     def position(self) -> dict:
         """The data position for a checkpoint: groups started but not trained are redone on resume."""

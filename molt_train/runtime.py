@@ -8,6 +8,13 @@ Weight sync (pause, load, version + 1, resume, between two engine steps):
 by default the trainer broadcasts the weights in buckets on a channel of its
 own to every worker (`weight_sync`: NCCL on GPU, gloo on CPU); or rank 0
 gathers the whole model and it travels through Ray's object store.
+
+Faults: a rollout worker whose process dies (killed, out of memory, a crash
+in the engine) is restarted by Ray; its groups in flight are counted as lost
+and generated again, and `check_workers` brings the new process up to the
+current weights (also before every weight sync, which would otherwise wait on
+the dead process). A trainer rank that dies ends the run, which
+`--resume` continues from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -16,37 +23,75 @@ import asyncio
 
 import ray
 
+from molt_train.console import StartupError, cause
 from molt_train.rollout import GroupStream, RolloutWorker
 from molt_train.trainer import TrainerGroup
 
 
+WORKER_RESTARTS = 4  # per worker, over the run
+
+
+async def _started(what: str, awaitable):
+    """Await a start-up call; a failure becomes one line naming the component and the cause."""
+    try:
+        return await awaitable
+    except Exception as error:
+        raise StartupError(f"{what} failed to start: {cause(error)}") from error
+
+
+async def _instance(worker, restart_timeout: float = 600.0) -> str:
+    """The worker's instance id, once it is up: Ray answers "unavailable" while it restarts the
+    process, and "died" for a moment after the death or for good once the restarts are used up."""
+    deadline, died = asyncio.get_running_loop().time() + restart_timeout, 0
+    while True:
+        try:
+            return await worker.instance.remote()
+        except ray.exceptions.RayActorError as error:
+            died += isinstance(error, ray.exceptions.ActorDiedError)
+            if died > 3 or asyncio.get_running_loop().time() > deadline:
+                raise RuntimeError(f"a rollout worker died and was not restarted ({WORKER_RESTARTS} restarts "
+                                   f"allowed): {cause(error)}") from None
+            await asyncio.sleep(1.0)
+
+
 class Runtime:
     @classmethod
-    async def start(cls, config, model_dir: str, resume_from, state: dict) -> Runtime:
+    async def start(cls, config, model_dir: str, resume_from, state: dict, phase=print) -> Runtime:
+        """Start Ray, the rollout workers and the trainer; `phase(line)` reports each step of start-up.
+        A component that fails to start raises `StartupError` naming it and the cause."""
         self = cls()
-        self.config = config
+        self.config, self.version, self.report = config, state["version"], phase
         if not ray.is_initialized():
             ray.init(address=config.ray.address, num_cpus=config.ray.num_cpus, include_dashboard=False,
                      log_to_driver=True, configure_logging=False)
+        phase(f"ray: {'joined ' + config.ray.address if config.ray.address else 'started a local instance'}")
         start_dir = str(resume_from / "policy") if resume_from else model_dir
         rollout = config.rollout
         sampling = dict(temperature=rollout.temperature, top_p=rollout.top_p, max_tokens=rollout.max_tokens,
                         seed=config.seed)
         engine = dict(name=config.engine.name, dtype=config.engine.dtype, max_model_len=config.engine.max_model_len)
-        worker = ray.remote(num_cpus=0)(RolloutWorker)
+        # A worker whose process dies is restarted by Ray with these arguments; `check_workers` then gives it
+        # the current weights and version.
+        worker = ray.remote(num_cpus=0, max_restarts=WORKER_RESTARTS)(RolloutWorker)
         self.workers = [worker.remote(start_dir, config.env, engine, sampling, rollout.max_total_tokens,
                                       config.seed + i, state["version"], config.agent, rollout.episode_timeout,
                                       rollout.allow_remote_images)
                         for i in range(config.engine.workers)]
         self.trainer = TrainerGroup(model_dir, start_dir, config)
-        print(f"# actor: {await self.trainer.ranks[0].describe.remote()}", flush=True)
+        description = await _started("the trainer", self.trainer.ranks[0].describe.remote())
+        phase(f"actor: {description}")
         if resume_from:
-            await self.trainer.restore(str(resume_from))
+            await _started("the trainer's restore", self.trainer.restore(str(resume_from)))
+        self.instances = await _started("a rollout worker", asyncio.gather(*(w.instance.remote()
+                                                                              for w in self.workers)))
+        phase(f"rollout workers: {len(self.workers)} x {config.engine.name} engine")
         if config.train.weight_sync == "broadcast":
-            await self._open_channel()
+            await _started("the weight-sync channel", self._open_channel())
+        phase(f"weight sync: {config.train.weight_sync}")
         data = state["data"]
         self.groups = GroupStream(self.workers, rollout.group_size, rollout.groups_per_step,
-                                  config.train.async_queue_size, config.seed, data["next_index"], data["redo"])
+                                  config.train.async_queue_size, config.seed, data["next_index"], data["redo"],
+                                  recover=self.check_workers)
         return self
 
     async def _open_channel(self) -> None:
@@ -60,6 +105,7 @@ class Runtime:
 
     async def sync_weights(self) -> int:
         """Push the trainer's weights to every engine; returns the new policy version."""
+        await self.check_workers()
         partial = self.config.rollout.partial_rollout
         if self.config.train.weight_sync == "broadcast":
             _, *versions = await asyncio.gather(self.trainer.broadcast_weights(),
@@ -69,7 +115,23 @@ class Runtime:
             weights = ray.put(await self.trainer.weights())
             versions = await asyncio.gather(*(worker.update_weights.remote(weights, partial)
                                               for worker in self.workers))
-        return versions[0]
+        self.version = versions[0]
+        return self.version
+
+    async def check_workers(self, *_) -> None:
+        """Bring workers that Ray restarted since the last check up to the run: the current weights and
+        version, and (broadcast sync) a new channel, since the old one's process group held the dead
+        process. Waits for a worker that is restarting; fails if one is dead for good."""
+        instances = await asyncio.gather(*(_instance(worker) for worker in self.workers))
+        restarted = [w for w, now, known in zip(self.workers, instances, self.instances) if now != known]
+        if restarted:
+            self.report(f"molt-train: {len(restarted)} rollout worker(s) died and Ray restarted them; "
+                        "their groups in flight are played again")
+            weights = ray.put(await self.trainer.weights())
+            await asyncio.gather(*(worker.load_weights.remote(weights, self.version) for worker in restarted))
+            if self.config.train.weight_sync == "broadcast":
+                await self._open_channel()
+        self.instances = instances
 
     async def close(self) -> None:
         await self.trainer.close()

@@ -16,6 +16,16 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
+def ray_address():
+    """The test session's one Ray instance; `molt-train` subprocesses join it with `--ray.address`."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
 def dense_dir():
     from molt_agents.tiny import tiny_model
 

@@ -1,18 +1,14 @@
 """The rest of the stack on this machine: Ray starts and runs tasks; the package layers hold."""
 
 
-def test_ray_starts_without_dashboard_and_runs_a_task():
+def test_ray_starts_without_dashboard_and_runs_a_task(ray_address):
     import ray
 
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
-    try:
-        @ray.remote
-        def square(x):
-            return x * x
+    @ray.remote
+    def square(x):
+        return x * x
 
-        assert ray.get([square.remote(i) for i in range(4)]) == [0, 1, 4, 9]
-    finally:
-        ray.shutdown()
+    assert ray.get([square.remote(i) for i in range(4)]) == [0, 1, 4, 9]
 
 
 def test_lower_packages_do_not_import_torch_at_import_time():

@@ -104,15 +104,6 @@ def test_assemble_bounds_staleness(mode):
 # Real trainer ranks: every metric against its hand-computed value
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def _forward(model_dir, ids):
     """Per-token logprob and entropy of the prediction of each token (0 for the first), by a plain forward."""
     from transformers import AutoModelForCausalLM
@@ -165,7 +156,7 @@ def _step(model_dir, start_dir, items, world_size, **algo):
     return asyncio.run(run())
 
 
-def test_two_rank_step_metrics_equal_their_hand_computed_values(local_ray, dense_dir, tmp_path):
+def test_two_rank_step_metrics_equal_their_hand_computed_values(ray_address, dense_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     trajectories = _known_batch(dense_dir)

@@ -16,15 +16,6 @@ import pytest
 MOLT_TRAIN = [sys.executable, "-m", "molt_train.cli"]
 
 
-@pytest.fixture(scope="module")
-def ray_address():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
-
-
 def _train(out, ray_address, *flags, timeout=600):
     args = MOLT_TRAIN + ["--out", str(out), "--ray.address", ray_address, "--log.tensorboard", "false",
                          "--rollout.groups_per_step", "4", "--rollout.group_size", "4", *flags]

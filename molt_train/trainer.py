@@ -63,9 +63,15 @@ class TrainerGroup:
 
 
 async def _gather(refs):
+    """Every rank's result; a rank whose process died ends the run, saying so (resume continues it)."""
     import asyncio
 
-    return list(await asyncio.gather(*refs))
+    from molt_train.console import cause
+
+    try:
+        return list(await asyncio.gather(*refs))
+    except ray.exceptions.RayActorError as error:
+        raise RuntimeError(f"a trainer rank's process died: {cause(error)}") from error
 
 
 def _cuda() -> bool:

@@ -13,9 +13,10 @@ import openai
 import pytest
 import torch
 from conftest import memorize, run
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from molt_agents.agent import AgentResult, ChatAgent, run_agent
+from molt_agents.loopback import Loopback
 from molt_env.trajectory import check
 
 TOOLS = [{"type": "function", "function": {
@@ -347,3 +348,192 @@ def test_a_failed_request_leaves_the_session_as_it_was(loopback):
     (trajectory,) = loopback.finish(session, reward=1.0)  # still one stitched segment
     assert trajectory.num_trainable == first.usage.completion_tokens + second.usage.completion_tokens
     assert "x" * 100 not in loopback.tokenizer.decode(trajectory.token_ids)
+
+
+# --------------------------------------------------------------------------
+# Nothing lost: bad input is a 400 that leaves the session open, and the connection too
+
+
+def _chat(content="x", **extra):
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": 2, "seed": 0, **extra}
+
+
+def _nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+def test_finish_validates_its_body_before_touching_the_session(loopback):
+    session = loopback.open_session().id
+    assert _post(loopback, f"/s/{session}/v1/chat/completions", _chat()).status_code == 200
+    path = f"/s/{session}/finish"
+    for body, param in [({"reward": 1, "info": "x"}, "info"), ({"reward": True}, "reward"),
+                        ({"reward": "1"}, "reward"), ({}, "reward"), ({"reward": 1, "infos": {}}, "infos"),
+                        ({"reward": 10**400}, "reward"), ([1], None)]:
+        response = _post(loopback, path, raw=json.dumps(body).encode())
+        assert response.status_code == 400, (body, response.text)
+        assert response.json()["error"]["param"] == param, body
+    for literal in (b"NaN", b"Infinity", b"-Infinity"):  # not JSON, though Python's json reads them
+        response = _post(loopback, path, raw=b'{"reward": ' + literal + b"}")
+        assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
+    assert loopback.captured == []
+    done = _post(loopback, path, {"reward": 0.5, "info": {"k": [1], "session": "spoofed"}})
+    assert done.status_code == 200 and done.json()["segments"] == 1
+    (trajectory,) = loopback.captured
+    assert trajectory.reward == 0.5 and trajectory.info == {"k": [1], "session": session}
+    assert _post(loopback, path, {"reward": 0.5}).status_code == 404 and len(loopback.captured) == 1
+
+
+@pytest.mark.parametrize("route,body,param", [
+    ("chat/completions", _chat(seed=2**70), "seed"),  # vLLM: "Overflow when unpacking long long"
+    ("chat/completions", _chat(seed=-(2**63) - 1), "seed"),
+    ("chat/completions", _chat(top_k=2**70), "top_k"),
+    ("chat/completions", _chat(n=2**70), "n"),
+    ("chat/completions", _chat(logprobs=True, top_logprobs=2**70), "top_logprobs"),
+    ("chat/completions", _chat(temperature=2.5), "temperature"),  # vLLM samples at temperature <= 2
+    ("chat/completions", _chat(stop=["a", ""]), "stop"),  # vLLM refuses an empty stop string
+    ("completions", {"prompt": "x", "max_tokens": 2, "logprobs": 2**70}, "logprobs"),
+    ("completions", {"prompt": "x", "max_tokens": 2, "seed": 2**64}, "seed"),
+    ("completions", {"prompt": [1, 2**70], "max_tokens": 2}, "prompt"),
+])
+def test_values_beyond_the_engine_get_a_400_naming_the_field(loopback, route, body, param):
+    session = loopback.open_session().id
+    response = _post(loopback, f"/s/{session}/v1/{route}", body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and param in error["message"]
+    ok = _chat() if route == "chat/completions" else {"prompt": "x", "max_tokens": 2}
+    assert _post(loopback, f"/s/{session}/v1/{route}", ok).status_code == 200
+    assert len(loopback.finish(session, reward=0.0)) == 1  # the bad request left no trace
+
+
+def test_integers_at_the_engine_bounds_are_served(loopback):
+    session = loopback.open_session().id
+    for extra in ({"seed": 2**63 - 1, "n": 3}, {"seed": -(2**63)}, {"top_k": 2**31 - 1}):
+        response = _post(loopback, f"/s/{session}/v1/chat/completions", {**_chat(), **extra})
+        assert response.status_code == 200, (extra, response.text)
+    # Any max_tokens is capped at the room left in the context (a long prompt keeps that room small).
+    response = _post(loopback, f"/s/{session}/v1/chat/completions", {**_chat(" x" * 490), "max_tokens": 2**70})
+    usage = response.json()["usage"]
+    assert response.status_code == 200 and usage["total_tokens"] <= loopback.max_model_len, response.text
+
+
+def test_nesting_is_bounded(loopback):
+    session = loopback.open_session().id
+    path = f"/s/{session}/v1/chat/completions"
+    body = json.dumps(_chat()).encode()[:-1]
+    # The body object is level 1: "metadata" (ignored by the loopback) adds the rest.
+    assert _post(loopback, path, raw=body + b', "metadata": ' + _nested(63) + b"}").status_code == 200
+    for depth in (64, 5_000, 500_000):  # the last one overflowed Python's JSON parser (RecursionError)
+        response = _post(loopback, path, raw=body + b', "metadata": ' + _nested(depth) + b"}")
+        assert response.status_code == 400, (depth, response.text)
+        assert "nested more than 64 levels" in response.json()["error"]["message"]
+    lone = _post(loopback, path, raw=json.dumps(_chat("\ud800")).encode())  # a lone UTF-16 surrogate
+    assert lone.status_code == 400 and "surrogate" in lone.json()["error"]["message"], lone.text
+    assert len(loopback.finish(session, reward=0.0)) == 1
+
+
+def test_bad_requests_keep_the_connection_alive(loopback):
+    session = loopback.open_session().id
+    base = f"http://127.0.0.1:{loopback.port}/s/{session}"
+    bad = [("/v1/chat/completions", json.dumps(_chat(seed=2**70)).encode()),
+           ("/v1/chat/completions", _nested(100_000)),
+           ("/finish", json.dumps({"reward": 1, "info": "x"}).encode())]  # after a sampled turn
+    with httpx.Client(headers={"Authorization": f"Bearer {loopback.api_key}"}) as client:
+        responses = []
+        for path, raw in bad:
+            responses.append(client.post(base + path, content=raw))
+            responses.append(client.post(base + "/v1/chat/completions", json=_chat()))
+        ports = [r.extensions["network_stream"].get_extra_info("client_addr")[1] for r in responses]
+        finished = client.post(base + "/finish", json={"reward": 1.0})
+    assert len(set(ports)) == 1, f"the client had to reconnect: local ports {ports}"
+    assert [r.status_code for r in responses] == [400, 200] * 3, [r.text for r in responses]
+    assert finished.json()["segments"] == 3
+
+
+def test_an_unexpected_error_is_a_json_500_that_keeps_session_and_connection(vllm_engines, dense_dir, caplog):
+    """A failing `on_finish` (say, a full disk under molt-serve) stands for any bug behind a route."""
+    delivered, failures = [], [RuntimeError("disk full")]
+
+    def on_finish(trajectories):
+        if failures:
+            raise failures.pop()
+        delivered.extend(trajectories)
+
+    server = Loopback(vllm_engines.get(dense_dir), AutoTokenizer.from_pretrained(dense_dir), max_model_len=512,
+                      on_finish=on_finish).start()
+    try:
+        session = server.open_session().id
+        base = f"http://127.0.0.1:{server.port}/s/{session}"
+        with httpx.Client(headers={"Authorization": f"Bearer {server.api_key}"}) as client:
+            assert client.post(base + "/v1/chat/completions", json=_chat()).status_code == 200
+            failed = client.post(base + "/finish", json={"reward": 1.0})
+            retried = client.post(base + "/finish", json={"reward": 1.0})
+            ports = [r.extensions["network_stream"].get_extra_info("client_addr")[1] for r in (failed, retried)]
+        assert ports[0] == ports[1], "the 500 closed the client's keep-alive connection"
+        assert failed.status_code == 500
+        assert failed.json()["error"]["type"] == "server_error", failed.text
+        assert retried.status_code == 200 and retried.json()["segments"] == 1  # the session was kept
+        assert len(delivered) == 1
+        (record,) = [r for r in caplog.records if r.name == "molt.loopback"]
+        assert record.exc_info and "disk full" in str(record.exc_info[1])
+    finally:
+        server.stop()
+
+
+def test_a_conversation_the_chat_template_refuses_is_a_400(vllm_engines, dense_dir):
+    tokenizer = AutoTokenizer.from_pretrained(dense_dir)
+    # A template that refuses conversations, as Llama 2's and Mistral's do when roles do not alternate.
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if not loop.first and m['role'] == messages[loop.index0 - 1]['role'] %}"
+        "{{ raise_exception('roles must alternate') }}{% endif %}{{ m['role'] + ': ' + m['content'] + '\\n' }}"
+        "{% endfor %}assistant: ")
+    server = Loopback(vllm_engines.get(dense_dir), tokenizer, max_model_len=512).start()
+    try:
+        session = server.open_session().id
+        refused = _post(server, f"/s/{session}/v1/chat/completions",
+                        {**_chat(), "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]})
+        assert refused.status_code == 400 and "roles must alternate" in refused.json()["error"]["message"]
+        assert _post(server, f"/s/{session}/v1/chat/completions", _chat()).status_code == 200
+        assert len(server.finish(session, reward=0.0)) == 1
+    finally:
+        server.stop()
+
+
+def test_64_sessions_at_once_each_reach_on_finish_exactly_once(loopback):
+    sessions = [loopback.open_session().id for _ in range(64)]
+    headers = {"Authorization": f"Bearer {loopback.api_key}"}
+
+    async def one(http, i, session):
+        client = openai.AsyncOpenAI(base_url=loopback.base_url(session), api_key=loopback.api_key,
+                                    max_retries=0, http_client=http)
+        messages, sampled = [{"role": "user", "content": f"Count from {i}."}], 0
+        for _ in range(1 + i % 2):  # half the sessions take a second turn
+            reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=3, seed=i)
+            sampled += reply.usage.completion_tokens
+            messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Go on."}]
+        finished = await http.post(f"http://127.0.0.1:{loopback.port}/s/{session}/finish",
+                                   json={"reward": float(i)}, headers=headers)
+        assert finished.status_code == 200, finished.text
+        return finished.json()["segments"], sampled
+
+    async def everyone():
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await asyncio.gather(*(one(http, i, s) for i, s in enumerate(sessions)))
+
+    results = run(everyone())
+    by_session = {}
+    for trajectory in loopback.captured:
+        by_session.setdefault(trajectory.info["session"], []).append(trajectory)
+    assert sorted(by_session) == sorted(sessions)
+    for i, (session, (segments, sampled)) in enumerate(zip(sessions, results)):
+        trajectories = by_session[session]
+        assert len(trajectories) == segments >= 1  # delivered once: no duplicate segments
+        assert sum(t.num_trainable for t in trajectories) == sampled  # every sampled token, none twice
+        assert {t.reward for t in trajectories} == {float(i)}
+        for trajectory in trajectories:
+            check(trajectory)
+    delivered = len(loopback.captured)
+    again = _post(loopback, f"/s/{sessions[0]}/finish", {"reward": 1.0})
+    assert again.status_code == 404 and len(loopback.captured) == delivered
+    print(f"64 concurrent sessions: {sum(1 + i % 2 for i in range(64))} chat turns, {delivered} segments "
+          f"delivered, {sum(sampled for _, sampled in results)} sampled tokens, each session once")

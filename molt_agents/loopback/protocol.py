@@ -3,18 +3,26 @@
 Requests are validated here, before anything reaches a session or the
 engine; every rejection is an `APIError` that becomes an OpenAI-style error
 body (`{"error": {"message", "type", "param", "code"}}`) with a 4xx status.
+A body is strict JSON (no NaN or Infinity, no lone UTF-16 surrogate) nested at
+most `MAX_NESTING` levels; integers are bounded where the engine bounds them.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from molt_env.spaces import is_message
+
+MAX_NESTING = 64  # levels of arrays and objects in a request body; far beyond any real request
+# Seeds as vLLM's own server takes them; the engine seeds choice i with seed + i, which torch still takes.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1  # vLLM keeps top_k in an int32 tensor (a top_k beyond the vocabulary means all of it)
 
 
 class APIError(Exception):
@@ -37,17 +45,18 @@ class _Request(BaseModel):
     model: str | None = None
     n: int = Field(1, ge=1, le=64)
     stop: str | list[str] | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=5)
+    max_tokens: int | None = Field(None, ge=1)  # any size: the loopback caps it at the context room left
+    temperature: float | None = Field(None, ge=0, le=2)  # vLLM's range
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
-    seed: int | None = None
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stream: bool = False
     stream_options: dict | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
 
-    def check_supported(self) -> None:
+    def check(self) -> None:
+        """What the field types cannot say: parameters the loopback refuses, fields that constrain each other."""
         for name in self.model_extra or {}:
             if name not in IGNORED_PARAMS:
                 raise APIError(400, f"unsupported parameter '{name}'", param=name, code="unsupported_parameter")
@@ -55,6 +64,8 @@ class _Request(BaseModel):
             if getattr(self, name):
                 raise APIError(400, f"'{name}' must be 0: the policy's sampling distribution is not penalised",
                                param=name, code="unsupported_parameter")
+        if "" in self.stop_list:
+            raise APIError(400, "invalid 'stop': a stop string must not be empty", param="stop")
 
     @property
     def stop_list(self) -> list[str]:
@@ -90,8 +101,8 @@ class ChatRequest(_Request):
                 raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}")
         return tools
 
-    def check_supported(self) -> None:
-        super().check_supported()
+    def check(self) -> None:
+        super().check()
         if self.tool_choice not in (None, "auto", "none"):
             raise APIError(400, "tool_choice must be 'auto' or 'none': forcing a call would constrain "
                                 "the policy's sampling", param="tool_choice", code="unsupported_parameter")
@@ -114,8 +125,8 @@ class CompletionRequest(_Request):
     suffix: str | None = None
     best_of: int | None = None
 
-    def check_supported(self) -> None:
-        super().check_supported()
+    def check(self) -> None:
+        super().check()
         for name in ("echo", "suffix", "best_of"):
             if getattr(self, name) not in (None, False, 1):
                 raise APIError(400, f"unsupported parameter '{name}'", param=name, code="unsupported_parameter")
@@ -127,7 +138,56 @@ class CompletionRequest(_Request):
         return self.max_tokens
 
 
-def parse(model: type[_Request], payload: Any) -> _Request:
+class FinishRequest(BaseModel):
+    """`POST /s/<session>/finish`: a misspelled key is refused, not silently dropped with its value."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reward: float = Field(strict=True, allow_inf_nan=False)  # strict: true and "1" are not rewards
+    info: dict[str, Any] | None = None
+
+
+def decode(body: bytes) -> Any:
+    """The JSON value of a request body, or an `APIError` saying what is wrong with it."""
+    try:
+        payload = json.loads(body, parse_constant=_not_json)
+    except RecursionError:  # nested past what Python's parser can recurse
+        raise _too_deep() from None
+    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError, _not_json
+        raise APIError(400, f"the request body is not valid JSON: {error}", code="invalid_json") from None
+    if _nesting_exceeds(payload, MAX_NESTING):
+        raise _too_deep()
+    try:  # a string the tokenizer cannot take, and that no error message could quote
+        json.dumps(payload, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise APIError(400, "the request body holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
+                            "escape), which is not a character", code="invalid_json") from None
+    return payload
+
+
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not a JSON value")
+
+
+def _too_deep() -> APIError:
+    return APIError(400, f"the request body is nested more than {MAX_NESTING} levels deep", code="invalid_json")
+
+
+def _nesting_exceeds(payload: Any, limit: int) -> bool:
+    """Whether arrays and objects nest more than `limit` levels deep in `payload` (level by level, no recursion)."""
+    level = [payload]
+    for _ in range(limit + 1):
+        containers = [node for node in level if isinstance(node, (dict, list))]
+        if not containers:
+            return False
+        level = [child for node in containers for child in (node.values() if isinstance(node, dict) else node)]
+    return True
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def parse(model: type[Body], payload: Any) -> Body:
     """Validate a decoded JSON body into `model`, or raise an `APIError` naming the field."""
     if not isinstance(payload, dict):
         raise APIError(400, "the request body must be a JSON object")
@@ -137,7 +197,8 @@ def parse(model: type[_Request], payload: Any) -> _Request:
         first = error.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
         raise APIError(400, f"invalid '{param}': {first['msg']}", param=param) from None
-    request.check_supported()
+    if isinstance(request, _Request):
+        request.check()
     return request
 
 

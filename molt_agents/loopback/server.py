@@ -7,7 +7,7 @@ token id, logprob and weight version is recorded behind its back:
     POST /s/<session>/v1/chat/completions   (stream=true as server-sent events)
     POST /s/<session>/v1/completions
     GET  /s/<session>/v1/models
-    POST /s/<session>/finish                {"reward": 1.0} -> the session's trajectories
+    POST /s/<session>/finish                {"reward": 1.0, "info": {...}} -> the session's trajectories
 
 A vision-language policy (`vision`) takes images as `image_url` content parts
 with `data:` URLs (base64 PNG / JPEG / WebP / GIF); http(s) URLs are fetched
@@ -15,15 +15,18 @@ only when `image_limits.allow_remote` is set.
 
 All routes need `Authorization: Bearer <api_key>` (a fresh key per run by
 default). Bad input gets a 4xx with an OpenAI-style error body and leaves
-the session as it was.
+the session as it was; so does a bad `/finish` body (a finite `reward`, an
+optional `info` object, no other keys), and a session whose `on_finish`
+fails stays open to be finished again. An unexpected error is logged
+(logger `molt.loopback`) and answered with a 500 in the same shape, and the
+client's connection stays open. A reply is only sent once it is captured:
+a session finished while a request sampled answers that request with a 404.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
-import math
+import logging
 import secrets
 import threading
 import uuid
@@ -31,6 +34,7 @@ from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from molt_agents.chat_template import render_text
@@ -42,6 +46,8 @@ from molt_agents.loopback.streaming import ReplyText
 from molt_agents.multimodal import ImageError, ImageLimits, chat_images, for_template, is_image_part
 from molt_agents.tool_calls import parse_reply
 from molt_env.trajectory import Trajectory
+
+log = logging.getLogger("molt.loopback")
 
 
 class Loopback:
@@ -87,28 +93,41 @@ class Loopback:
         return f"http://{self.host}:{self.port}/s/{session_id}/v1"
 
     def finish(self, session_id: str, reward: float, info: dict | None = None) -> list[Trajectory]:
-        """Close a session; returns (and hands to `on_finish`) its segments with the reward."""
+        """Close a session; returns (and hands to `on_finish`) its segments with the reward.
+
+        If building the trajectories or `on_finish` fails, the session stays open, as it was.
+        """
         with self._sessions_lock:
-            session = self.sessions.pop(session_id, None)
-        if session is None:
-            raise APIError(404, f"unknown session '{session_id}'", code="session_not_found")
-        session.finished = True
-        trajectories = session.trajectories(reward, info)
+            session = self._existing(session_id)
+            trajectories = session.trajectories(reward, info)
+            del self.sessions[session_id]  # claimed: a concurrent finish of this session is a 404
+            session.finished = True
         if self.on_finish is not None:
-            self.on_finish(trajectories)
+            try:
+                self.on_finish(trajectories)
+            except BaseException:
+                with self._sessions_lock:
+                    session.finished = False
+                    self.sessions[session_id] = session
+                raise
         return trajectories
 
-    def _session(self, session_id: str) -> Session:
-        with self._sessions_lock:
-            session = self.sessions.get(session_id)
+    def _existing(self, session_id: str) -> Session:
+        """The open session `session_id`, or a 404; the caller holds `_sessions_lock`."""
+        session = self.sessions.get(session_id)
         if session is None:
-            if not self.auto_sessions:
-                raise APIError(404, f"unknown session '{session_id}'", code="session_not_found")
-            try:
-                session = self.open_session(session_id)
-            except ValueError:  # opened concurrently by another request
-                session = self.sessions[session_id]
+            raise APIError(404, f"unknown session '{session_id}'", code="session_not_found")
         return session
+
+    def _session(self, session_id: str) -> Session:
+        """The open session `session_id`; with `auto_sessions`, an unknown one is opened."""
+        with self._sessions_lock:
+            if session_id in self.sessions or not self.auto_sessions:
+                return self._existing(session_id)
+        try:
+            return self.open_session(session_id)
+        except ValueError:  # opened concurrently by another request
+            return self._session(session_id)
 
     # ------------------------------------------------------------------
     # Serving
@@ -158,6 +177,8 @@ class Loopback:
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="molt loopback", docs_url=None, redoc_url=None, openapi_url=None)
+        unexpected = APIError(500, "the loopback failed on this request; its log (logger 'molt.loopback') "
+                                   "has the traceback", type="server_error")
 
         @app.exception_handler(APIError)
         async def api_error(_, error: APIError):
@@ -170,12 +191,16 @@ class Loopback:
             return JSONResponse(body, status_code=error.status_code)
 
         @app.middleware("http")
-        async def authorize(request: Request, call_next):
+        async def authorize_and_contain(request: Request, call_next):
             if request.headers.get("authorization") != f"Bearer {self.api_key}":
                 error = APIError(401, "missing or wrong API key (Authorization: Bearer <key>)",
                                  type="authentication_error", code="invalid_api_key")
                 return JSONResponse(error.body(), status_code=401)
-            return await call_next(request)
+            try:
+                return await call_next(request)
+            except Exception:  # past here Starlette answers 500 but re-raises, and uvicorn drops the connection
+                log.exception("%s %s failed", request.method, request.url.path)
+                return JSONResponse(unexpected.body(), status_code=500)
 
         @app.get("/s/{session_id}/v1/models")
         async def models(session_id: str):
@@ -189,7 +214,11 @@ class Loopback:
             session = self._session(session_id)
             # Decoding (or fetching) images runs off the event loop; text-only requests skip the thread hop.
             images = await asyncio.to_thread(self._images, body.messages) if _has_images(body.messages) else []
-            rendered = render_text(self.tokenizer, for_template(body.messages), body.tools)
+            try:
+                rendered = render_text(self.tokenizer, for_template(body.messages), body.tools)
+            except TemplateError as error:  # the template's own raise_exception, e.g. "roles must alternate"
+                raise APIError(400, f"the model's chat template refuses these messages: {error}",
+                               param="messages") from None
             return await self._respond(session, lambda: session.base_for_text(rendered, images), body,
                                        top=body.top_logprobs or 0)
 
@@ -205,11 +234,11 @@ class Loopback:
 
         @app.post("/s/{session_id}/finish")
         async def finish(session_id: str, request: Request):
-            payload = await self._read_json(request)
-            reward = payload.get("reward") if isinstance(payload, dict) else None
-            if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-                raise APIError(400, "finish needs {'reward': <finite number>}", param="reward")
-            trajectories = self.finish(session_id, float(reward), payload.get("info"))
+            body = protocol.parse(protocol.FinishRequest, await self._read_json(request))
+            with self._sessions_lock:
+                session = self._existing(session_id)
+            async with session.lock:  # a request still sampling on this session is captured first
+                trajectories = self.finish(session_id, body.reward, body.info)
             return {"session": session_id, "segments": len(trajectories),
                     "trainable_tokens": sum(t.num_trainable for t in trajectories)}
 
@@ -226,6 +255,7 @@ class Loopback:
         return images
 
     async def _read_json(self, request: Request):
+        """The decoded body, read no further than `max_body_bytes`."""
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             raise APIError(413, f"request body over {self.max_body_bytes} bytes", code="body_too_large")
@@ -234,10 +264,7 @@ class Loopback:
             body += chunk
             if len(body) > self.max_body_bytes:
                 raise APIError(413, f"request body over {self.max_body_bytes} bytes", code="body_too_large")
-        try:
-            return json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise APIError(400, f"the request body is not valid JSON: {error}", code="invalid_json") from None
+        return protocol.decode(bytes(body))
 
     # ------------------------------------------------------------------
     # Generation
@@ -247,12 +274,11 @@ class Loopback:
         if body.stream:
             return await self._stream(session, find_base, body, top)
         async with session.lock:
-            base, samples = await self._generate(session, find_base, body, top)
-        build = self._chat_response if isinstance(body, ChatRequest) else self._completion_response
-        return build(body, base, samples)
+            return await self._generate(session, find_base, body, top)
 
-    async def _generate(self, session: Session, find_base, body, top: int, on_start=None, on_tokens=None):
-        """Sample for `body` after the segment `find_base()` picks; the session is unchanged on failure.
+    async def _generate(self, session: Session, find_base, body, top: int, on_start=None, on_tokens=None) -> dict:
+        """Sample for `body` after the segment `find_base()` picks, capture the samples and build the
+        response; the session is unchanged on failure, so a client never sees a reply that was not captured.
 
         `on_start()` runs once the request is accepted; `on_tokens` sees tokens as they are sampled.
         """
@@ -260,12 +286,16 @@ class Loopback:
         try:
             base = find_base()
             samples = await self._sample(session, base, body, top, on_start, on_tokens)
+            if session.finished:  # by the runner, directly, while this request sampled
+                raise APIError(404, f"session '{session.id}' was finished while this request sampled",
+                               code="session_not_found")
+            for segment, sample in zip(session.choices(base, body.n), samples):
+                segment.append_sample(sample)
+            build = self._chat_response if isinstance(body, ChatRequest) else self._completion_response
+            return build(body, base, samples, self._stop(session, body))
         except BaseException:  # a rejected, failed or abandoned request leaves no trace
             session.restore(mark)
             raise
-        for segment, sample in zip(session.choices(base, body.n), samples):
-            segment.append_sample(sample)
-        return base, samples
 
     async def _sample(self, session: Session, base, body, top: int, on_start, on_tokens):
         prompt_len = len(base.token_ids)
@@ -314,11 +344,11 @@ class Loopback:
         return [protocol.token_logprob(self.tokenizer, t, lp, top)
                 for t, lp, top in zip(sample.token_ids, sample.logprobs, tops)]
 
-    def _chat_response(self, body: ChatRequest, base, samples, stop: list[str] | None = None) -> dict:
+    def _chat_response(self, body: ChatRequest, base, samples, stop: list[str]) -> dict:
         prompt_len = len(base.token_ids) - len(samples[0].token_ids)
         out = []
         for index, sample in enumerate(samples):
-            text = self._reply_text(sample, body.stop_list if stop is None else stop)
+            text = self._reply_text(sample, stop)
             content, tool_calls = parse_reply(text) if body.tool_choice != "none" and body.tools else (text, [])
             message = {"role": "assistant", "content": content}
             if tool_calls:
@@ -330,11 +360,11 @@ class Loopback:
         return {"id": protocol.new_id("chatcmpl"), "object": "chat.completion", "created": protocol.now(),
                 "model": self.model_name, "choices": out, "usage": self._usage(prompt_len, samples)}
 
-    def _completion_response(self, body: CompletionRequest, base, samples, stop: list[str] | None = None) -> dict:
+    def _completion_response(self, body: CompletionRequest, base, samples, stop: list[str]) -> dict:
         prompt_len = len(base.token_ids) - len(samples[0].token_ids)
         out = []
         for index, sample in enumerate(samples):
-            choice = {"index": index, "text": self._reply_text(sample, body.stop_list if stop is None else stop),
+            choice = {"index": index, "text": self._reply_text(sample, stop),
                       "finish_reason": sample.finish_reason, "logprobs": None}
             if body.logprobs is not None:
                 entries = self._logprobs(sample)
@@ -356,10 +386,10 @@ class Loopback:
 
         async def produce():
             async with session.lock:
-                base, samples = await self._generate(
+                final = await self._generate(
                     session, find_base, body, top, on_start=lambda: events.put_nowait(("start",)),
                     on_tokens=lambda index, progress: events.put_nowait(("tokens", index, progress)))
-            events.put_nowait(("done", base, samples))
+            events.put_nowait(("done", final))
 
         def failed(task: asyncio.Task):
             if not task.cancelled() and task.exception() is not None:
@@ -411,14 +441,9 @@ class Loopback:
                     if text or logprobs:
                         yield chunk([piece(index, text, logprobs)])
                 elif kind == "error":
-                    error = rest[0]
-                    body_ = error.body() if isinstance(error, APIError) else \
-                        APIError(500, f"generation failed: {error}", type="server_error").body()
-                    yield streaming.event(body_)
-                    break
+                    raise rest[0]
                 elif kind == "done":
-                    base, samples = rest
-                    final = (self._chat_response if chat else self._completion_response)(body, base, samples, stop)
+                    (final,) = rest
                     for choice, reply in zip(final["choices"], replies):
                         index = choice["index"]
                         if chat:
@@ -435,10 +460,15 @@ class Loopback:
                     if body.include_usage_in_stream:
                         yield chunk([], usage=final["usage"])
                     break
-            yield streaming.DONE
+        except Exception as error:  # the status was sent with the headers: the error is the last event
+            if not isinstance(error, APIError):
+                log.error("streaming a reply on session %s failed", session.id, exc_info=error)
+                error = APIError(500, f"generation failed: {error}", type="server_error")
+            yield streaming.event(error.body())
         finally:
             if not task.done():  # the client hung up: abort sampling; the session is restored
                 task.cancel()
+        yield streaming.DONE
 
 
 def _has_images(messages: list[dict]) -> bool:

@@ -26,7 +26,7 @@ class Session:
     defaults: dict = field(default_factory=dict)  # sampling defaults for requests that set none
     segments: list[Segment] = field(default_factory=list)
     open: list[Segment] = field(default_factory=list)  # the last reply's choices, extendable
-    finished: bool = False
+    finished: bool = False  # set when `Loopback.finish` claims it: a request then captures nothing more
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     vision: object | None = None  # the policy's image processor, for a vision-language model
 
@@ -59,18 +59,19 @@ class Session:
         return self.open
 
     def mark(self) -> tuple:
-        """A point to `restore` to if a request fails before its samples are appended."""
-        return len(self.segments), list(self.open), [len(s.token_ids) for s in self.open]
+        """A point to `restore` to if a request fails, before or after its samples are appended."""
+        return len(self.segments), list(self.open), [(len(s.token_ids), s.finish_reason) for s in self.open]
 
     def restore(self, mark: tuple) -> None:
-        count, open_segments, lengths = mark
+        count, open_segments, ends = mark
         del self.segments[count:]
         self.open = open_segments
-        for segment, length in zip(open_segments, lengths):
+        for segment, (length, finish_reason) in zip(open_segments, ends):
             segment.truncate(length)
+            segment.finish_reason = finish_reason
 
     def trajectories(self, reward: float, info: dict | None = None) -> list[Trajectory]:
         kept = [s for s in self.segments if any(s.mask)]
         return [s.to_trajectory(reward=reward, rollout_id=self.rollout_id or self.id, group_id=self.group_id,
-                                segment=i, num_segments=len(kept), info={"session": self.id, **(info or {})})
+                                segment=i, num_segments=len(kept), info={**(info or {}), "session": self.id})
                 for i, s in enumerate(kept)]

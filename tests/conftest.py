@@ -80,19 +80,25 @@ def run(coroutine):
     return asyncio.run(coroutine)
 
 
-@pytest.fixture
-def loopback(vllm_engines, dense_dir):
-    """A live loopback over the session's dense engine, on a random port."""
+def live_loopback(vllm_engines, model_dir, max_model_len: int = 512):
+    """A live loopback over the session's engine for `model_dir`, on a random port; finished sessions'
+    trajectories collect in `.captured`. A generator, for fixtures to yield from."""
     from transformers import AutoTokenizer
 
     from molt_agents.loopback import Loopback
 
     captured = []
-    server = Loopback(vllm_engines.get(dense_dir), AutoTokenizer.from_pretrained(dense_dir),
-                      max_model_len=512, on_finish=captured.extend).start()
+    server = Loopback(vllm_engines.get(model_dir), AutoTokenizer.from_pretrained(model_dir),
+                      max_model_len=max_model_len, on_finish=captured.extend).start()
     server.captured = captured
     yield server
     server.stop()
+
+
+@pytest.fixture
+def loopback(vllm_engines, dense_dir):
+    """A live loopback over the session's dense engine."""
+    yield from live_loopback(vllm_engines, dense_dir)
 
 
 def memorize(model_dir, conversations, tools=None, steps=40, lr=3e-2):

@@ -17,11 +17,10 @@ from urllib.parse import quote
 
 import httpx
 import pytest
+from conftest import live_loopback
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import AutoTokenizer
 
-from molt_agents.loopback import Loopback
 from molt_agents.loopback.protocol import MAX_NESTING
 
 # Per route; together about 45 s on two CPU cores, after the engine's start.
@@ -152,12 +151,7 @@ ROUTES = {
 def loopback(vllm_engines, dense_dir):
     """conftest's loopback with a 320-token context (tools and three short messages fit): a fuzzed
     `max_tokens` of 2**70 is served, sampling to the end of the context, so that end is kept near."""
-    captured = []
-    server = Loopback(vllm_engines.get(dense_dir), AutoTokenizer.from_pretrained(dense_dir),
-                      max_model_len=320, on_finish=captured.extend).start()
-    server.captured = captured
-    yield server
-    server.stop()
+    yield from live_loopback(vllm_engines, dense_dir, max_model_len=320)
 
 
 @pytest.mark.parametrize("route", list(ROUTES))

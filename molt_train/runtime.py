@@ -118,7 +118,7 @@ class Runtime:
         self.version = versions[0]
         return self.version
 
-    async def check_workers(self, *_) -> None:
+    async def check_workers(self) -> None:
         """Bring workers that Ray restarted since the last check up to the run: the current weights and
         version, and (broadcast sync) a new channel, since the old one's process group held the dead
         process. Waits for a worker that is restarting; fails if one is dead for good."""

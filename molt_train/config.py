@@ -128,6 +128,17 @@ class ActorConfig:
     """Sharding: torch fully_shard, or NeMo AutoModel's parallelizer."""
     freeze_moe_router: bool = False
     """MoE policies: keep the router weights fixed (not optimized, not sent to the engines)."""
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype of the actor's forwards and backwards (FSDP2 mixed precision). bfloat16 keeps fp32
+    master weights and optimizer states, reduces gradients in fp32 and takes the logprobs in fp32 from
+    the bf16 logits; the weights sent to the engines and checkpoints stay fp32."""
+    activation_checkpointing: Literal["none", "full"] = "none"
+    """full: keep only each decoder block's inputs and recompute its activations in backward (less
+    memory for long sequences, about one more forward of compute). Routing replay covers the recompute."""
+    offload: Literal["none", "full"] = "none"
+    """full: the sharded parameters, gradients and AdamW states live in host memory (FSDP2
+    CPUOffloadPolicy; the optimizer steps on the CPU) and each block's parameters visit the device only
+    for its compute."""
 
 
 @dataclass

@@ -31,7 +31,11 @@ def test_help_documents_every_flag():
     for flag in ["--config", "--env", "--model", "--steps", "--out", "--resume", "--seed", "--ckpt.every",
                  "--engine.name", "--engine.dtype", "--rollout.group_size", "--rollout.partial_rollout",
                  "--train.async_queue_size", "--train.micro_batch_tokens", "--algo.estimator", "--algo.max_staleness",
-                 "--algo.is_level", "--algo.is_mode", "--actor.world_size", "--actor.backend", "--ray.address"]:
+                 "--algo.is_level", "--algo.is_mode", "--actor.world_size", "--actor.backend", "--ray.address",
+                 "--actor.param_dtype",
+                 "--actor.activation_checkpointing",
+                 "--actor.offload",
+                 ]:
         assert flag in out, flag
     assert "Engine weight dtype" in out  # field docstrings are the help text
 

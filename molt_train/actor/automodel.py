@@ -107,28 +107,34 @@ def native_logits(model: nn.Module, input_ids: torch.Tensor, position_ids: torch
 
 
 def shard_model(model: nn.Module, data_parallel: int, tensor_parallel: int = 1,
-                param_dtype=None) -> nn.Module:
+                param_dtype: torch.dtype | None = None, activation_checkpointing: bool = False,
+                offload: bool = False) -> nn.Module:
     """Shard `model` over this process group with AutoModel's parallelizer: its MoE one for its own
     models, `fsdp2_strategy_parallelize` for transformers models.
 
     Parameters are computed in `param_dtype` (default: the model's own dtype;
-    AutoModel's default would be bfloat16) and gradients reduced in fp32.
+    AutoModel's default would be bfloat16) and gradients reduced in fp32;
+    `activation_checkpointing` recomputes each block in backward, `offload`
+    keeps the shards on the host (FSDP2's `CPUOffloadPolicy`).
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mesh = init_device_mesh(device, (1, data_parallel, tensor_parallel),
                             mesh_dim_names=("dp_replicate", "dp_shard_cp", "tp"))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype or next(model.parameters()).dtype,
                                   reduce_dtype=torch.float32, output_dtype=torch.float32)
+    offload_policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else None
     if is_native(model):
         from nemo_automodel.components.moe.parallelizer import parallelize_model
 
         model.to(device)
         parallelize_model(model, mesh, None, dp_axis_names=("dp_shard_cp",), tp_axis_name="tp",
-                          mp_policy=policy, reshard_after_forward=True)
+                          mp_policy=policy, offload_policy=offload_policy, reshard_after_forward=True,
+                          activation_checkpointing=activation_checkpointing)
         return model
     from nemo_automodel.components.distributed.parallelizer import fsdp2_strategy_parallelize
 
-    return fsdp2_strategy_parallelize(model, mesh, mp_policy=policy)
+    return fsdp2_strategy_parallelize(model, mesh, mp_policy=policy, offload_policy=offload_policy,
+                                      activation_checkpointing=activation_checkpointing)

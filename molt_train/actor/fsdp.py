@@ -3,6 +3,11 @@
 One process group, gloo on CPU and NCCL on GPU. Each decoder block is its own
 FSDP unit (so only one block's full parameters exist at a time), then the
 root module takes what is left (embeddings, final norm, lm_head).
+
+Memory options, all applied here: bf16 compute over fp32 master weights
+(`MixedPrecisionPolicy`), activation checkpointing of every block (each
+block's activations are recomputed in backward), and CPU offload of the
+sharded parameters, gradients and optimizer states (`CPUOffloadPolicy`).
 """
 
 from __future__ import annotations
@@ -41,13 +46,39 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def shard_model(model: nn.Module, mesh=None, reshard_after_forward: bool = True) -> nn.Module:
-    """Apply `fully_shard` to every decoder block, then to the root; in place."""
-    from torch.distributed.fsdp import fully_shard
+def checkpoint_blocks(model: nn.Module) -> list[nn.Module]:
+    """Wrap every decoder block in torch's non-reentrant activation checkpointing, in place; returns the
+    wrappers. Their state-dict keys are the blocks' own (the wrapper strips its prefix)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
-    for block in decoder_blocks(model):
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    blocks = {id(block) for block in decoder_blocks(model)}
+    wrappers = []
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if id(child) in blocks:
+                wrapper = checkpoint_wrapper(child, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+                setattr(parent, name, wrapper)
+                wrappers.append(wrapper)
+    return wrappers
+
+
+def shard_model(model: nn.Module, mesh=None, reshard_after_forward: bool = True,
+                param_dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False,
+                offload: bool = False) -> nn.Module:
+    """Apply `fully_shard` to every decoder block, then to the root; in place.
+
+    The parameters FSDP holds keep the model's dtype (the master weights); forwards compute in
+    `param_dtype` and gradients are reduced in fp32. `offload` keeps the shards on the host."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    options = dict(mesh=mesh, reshard_after_forward=reshard_after_forward,
+                   mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
+                   offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload
+                   else OffloadPolicy())
+    blocks = checkpoint_blocks(model) if activation_checkpointing else decoder_blocks(model)
+    for block in blocks:
+        fully_shard(block, **options)
+    fully_shard(model, **options)
     return model
 
 

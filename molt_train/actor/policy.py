@@ -132,11 +132,12 @@ class PolicyRank:
         self.routing = RoutingReplay(model, train.routing_replay) if moe_routers(model) else None
         origin = "NeMo AutoModel's own" if automodel.is_native(model) else "transformers'"
         self.description = f"{origin} {type(model).__name__} on {world_size} {actor.backend} rank(s)"
-        self.model = self._shard(model, actor.backend)
-        self.frozen = {name for name, p in self.model.named_parameters() if not p.requires_grad}
+        self.frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+        self.model = self._shard(model, actor)
         self.reference = None
-        if algo.kl_coef > 0:
-            self.reference = self._shard(self._load(model_dir, actor.backend), actor.backend)
+        if algo.kl_coef > 0:  # forwards only: nothing to recompute
+            self.reference = self._shard(self._load(model_dir, actor.backend),
+                                         replace(actor, activation_checkpointing="none"))
             self.reference.requires_grad_(False)
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=train.lr,
                                            weight_decay=train.weight_decay)
@@ -159,10 +160,14 @@ class PolicyRank:
             return automodel.load_native(model_dir, torch.float32)
         return load_model(model_dir, torch.float32)
 
-    def _shard(self, model, backend):
-        if backend == "automodel":
-            return automodel.shard_model(model, data_parallel=self.world_size)
-        return fsdp.shard_model(model)
+    def _shard(self, model, actor: ActorConfig):
+        """Shard with the actor's backend, in its compute dtype, checkpointing and offload."""
+        options = dict(param_dtype=getattr(torch, actor.param_dtype),
+                       activation_checkpointing=actor.activation_checkpointing == "full",
+                       offload=actor.offload == "full")
+        if actor.backend == "automodel":
+            return automodel.shard_model(model, data_parallel=self.world_size, **options)
+        return fsdp.shard_model(model, **options)
 
     def _hf_tensors(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """A full tensor of the model as the Hugging Face checkpoint tensors it holds (engines and
@@ -234,7 +239,8 @@ class PolicyRank:
                 if entropy is not None:
                     loss = loss - algo.entropy_coef * (entropy * mask).sum()
                     stats.entropy_sum += float((entropy.detach() * mb.mask).sum())
-                (loss * scale).backward()
+                with self._routes(mb):  # checkpointed blocks recompute their forward in backward: same routes
+                    (loss * scale).backward()
                 stats.loss_sum += float(loss.detach())
                 stats.clipped_tokens += float(clipped) * float(mask.sum())
                 stats.kept_tokens += int(mask.sum())

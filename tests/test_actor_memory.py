@@ -1,0 +1,151 @@
+"""The actor's precision and memory options: bf16 mixed precision, activation checkpointing, CPU offload.
+
+Each test runs the real `PolicyRank` (a 1-rank gloo group in this process,
+the real tiny models, FSDP2 sharding) twice from the same weights on the same
+packed micro-batch, once with the option and once without, and compares.
+
+Activation memory is measured deterministically, not from the allocator: the
+bytes of the tensors autograd saves for backward during the training forward
+(`saved_tensors_hooks`; parameters and repeated storages not counted), plus,
+with checkpointing, the block inputs the checkpoint keeps to recompute from.
+"""
+
+import socket
+
+import numpy as np
+import pytest
+import torch
+
+from molt_train.actor.policy import PolicyRank
+from molt_train.config import ActorConfig, AlgoConfig, TrainConfig
+from molt_train.packing import TrainItem, pack
+
+LR = 1e-3
+
+
+def _micro_batch(vocab: int, routes_shape: tuple[int, int, int] | None = None):
+    """Two sequences (20 and 24 tokens) packed into one micro-batch, the second half of each trained.
+    For a MoE model, routes that send every token to random experts (not the router's own choice)."""
+    generator = np.random.default_rng(0)
+    items = []
+    for length, advantage in ((20, 1.0), (24, -0.5)):
+        mask = [0] * (length // 2) + [1] * (length - length // 2)
+        routes = None
+        if routes_shape is not None:
+            layers, top_k, experts = routes_shape
+            routes = np.stack([generator.permutation(experts)[:top_k] for _ in range(length * layers)])
+            routes = routes.reshape(length, layers, top_k).astype(np.int16)
+        items.append(TrainItem(token_ids=generator.integers(3, vocab, length).tolist(), mask=mask,
+                               logprobs=[-1.0 if m else None for m in mask], ages=[0] * length,
+                               advantage=advantage, routes=routes))
+    (mb,) = pack(items, token_budget=4096)
+    assert int((mb.position_ids == 0).sum()) == 2, "the two sequences should share one micro-batch"
+    return mb
+
+
+def _rank(model_dir, **actor) -> PolicyRank:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    train = TrainConfig(lr=LR, lr_schedule="constant", grad_clip=1e9)
+    return PolicyRank(str(model_dir), str(model_dir), 0, 1, f"tcp://127.0.0.1:{port}", train,
+                      AlgoConfig(kl_coef=0.0), ActorConfig(**actor), steps=1)
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _clean(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
+def _run(model_dir, **actor) -> dict:
+    """One training step; the loss, the gradients the optimizer stepped with, the weights after, the
+    optimizer state's devices and the activation bytes saved for backward."""
+    rank = _rank(model_dir, **actor)
+    try:
+        config = rank.model.config
+        routes_shape = None
+        if rank.routing is not None:
+            routes_shape = (len(rank.routing.routers), rank.routing.routers[0].top_k, config.num_experts)
+        mb = _micro_batch(config.vocab_size, routes_shape)
+        names = {id(p): _clean(name) for name, p in rank.model.named_parameters()}
+        grads = {}
+        rank.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: grads.update(
+            {names[id(p)]: _full(p.grad).detach().clone() for p in rank.model.parameters() if p.grad is not None}))
+        seen, saved = set(), [0]
+
+        def pack_hook(tensor):
+            key = (tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes())
+            if not isinstance(tensor, torch.nn.Parameter) and key not in seen:
+                seen.add(key)
+                saved[0] += key[1]
+            return tensor
+
+        prepared = rank.logprobs([mb])
+        with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda tensor: tensor):
+            stats = rank.train([mb], prepared, step_tokens=int(mb.mask.sum()))
+        if actor.get("activation_checkpointing") == "full":  # each block's input hidden states, kept by checkpoint
+            saved[0] += config.num_hidden_layers * mb.num_tokens * config.hidden_size * 4
+        weights = rank.full_weights()
+        return {"loss": stats.loss_sum, "grads": grads, "weights": weights, "saved_bytes": saved[0],
+                "param_dtypes": {p.dtype for p in rank.model.parameters()},
+                "state_devices": {v.device for s in rank.optimizer.state.values() for v in s.values()
+                                  if torch.is_tensor(v) and v.dim() > 0},
+                "state_dtypes": {v.dtype for s in rank.optimizer.state.values() for v in s.values()
+                                 if torch.is_tensor(v) and v.dim() > 0},
+                "device": rank.device}
+    finally:
+        rank.close()
+
+
+def _relative(a: dict, b: dict) -> float:
+    """|a - b| / |b|, norms over all the tensors together."""
+    difference = sum(float((a[k] - b[k]).pow(2).sum()) for k in b)
+    return (difference / sum(float(b[k].pow(2).sum()) for k in b)) ** 0.5
+
+
+def test_bf16_step_stays_close_to_fp32_with_fp32_master_weights(dense_dir):
+    from transformers import AutoModelForCausalLM
+
+    start = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32).state_dict()
+    fp32 = _run(dense_dir)
+    bf16 = _run(dense_dir, param_dtype="bfloat16")
+    loss_rel = abs(bf16["loss"] - fp32["loss"]) / abs(fp32["loss"])
+    weights_rel = _relative(bf16["weights"], fp32["weights"])
+    update_rel = _relative({k: bf16["weights"][k] - start[k] for k in start},
+                           {k: fp32["weights"][k] - start[k] for k in start})
+    print(f"bf16 vs fp32 step: loss {bf16['loss']:.6f} vs {fp32['loss']:.6f} (relative {loss_rel:.2e}); "
+          f"updated weights relative {weights_rel:.2e}; the update itself relative {update_rel:.2e}")
+    # The loss is a sum of +-advantage-weighted ratios, so its relative error is larger than bf16's 4e-3.
+    # Adam's first update is about lr * sign(gradient): bf16 flips the sign of the smallest gradients.
+    assert 0 < loss_rel < 5e-2, "bf16 compute should change the loss a little, not at all or a lot"
+    assert weights_rel < 2e-3 and update_rel < 0.3
+    assert bf16["param_dtypes"] == {torch.float32} and bf16["state_dtypes"] == {torch.float32}
+    assert {tensor.dtype for tensor in bf16["weights"].values()} == {torch.float32}  # engines, checkpoints
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_activation_checkpointing_keeps_gradients_and_saves_less(kind, dense_dir, moe_dir):
+    """On the MoE model the routes replayed (random experts) must also hold in backward's recompute."""
+    model_dir = moe_dir if kind == "moe" else dense_dir
+    plain = _run(model_dir)
+    checkpointed = _run(model_dir, activation_checkpointing="full")
+    assert plain["grads"].keys() == checkpointed["grads"].keys()
+    worst = _relative(checkpointed["grads"], plain["grads"])
+    print(f"{kind}: checkpointed vs plain gradients relative {worst:.2e}; saved for backward "
+          f"{plain['saved_bytes'] / 2**20:.2f} MiB plain, {checkpointed['saved_bytes'] / 2**20:.2f} MiB checkpointed")
+    assert worst <= 1e-6
+    assert checkpointed["saved_bytes"] < plain["saved_bytes"]
+
+
+def test_full_offload_keeps_optimizer_state_on_host_and_equal_results(dense_dir):
+    plain = _run(dense_dir)
+    offloaded = _run(dense_dir, offload="full")
+    assert plain["state_devices"] == {plain["device"]}
+    assert offloaded["state_devices"] == {torch.device("cpu")}
+    worst = max(float((offloaded["weights"][k] - plain["weights"][k]).abs().max()) for k in plain["weights"])
+    print(f"offload full vs none: weights after the step differ by {worst:.2e}; optimizer state on "
+          f"{offloaded['state_devices']}")
+    assert worst <= 1e-6

@@ -135,6 +135,10 @@ class ActorConfig:
     activation_checkpointing: Literal["none", "full"] = "none"
     """full: keep only each decoder block's inputs and recompute its activations in backward (less
     memory for long sequences, about one more forward of compute). Routing replay covers the recompute."""
+    logprob_chunk_tokens: int = 0
+    """Compute token logprobs and entropies this many positions at a time (the output head and the
+    log-softmax per chunk, recomputed in backward), so a micro-batch's [tokens, vocab] logits never
+    exist whole; for large vocabularies, e.g. 1024. 0: all positions at once."""
     offload: Literal["none", "full"] = "none"
     """full: the sharded parameters, gradients and AdamW states live in host memory (FSDP2
     CPUOffloadPolicy; the optimizer steps on the CPU) and each block's parameters visit the device only
@@ -228,6 +232,7 @@ def validate(config: Config) -> None:
     need(config.train.sync_bucket_mb >= 1, "train.sync_bucket_mb", "must be >= 1")
     need(config.train.updates_per_batch >= 1, "train.updates_per_batch", "must be >= 1")
     need(config.actor.world_size >= 1, "actor.world_size", "must be >= 1")
+    need(config.actor.logprob_chunk_tokens >= 0, "actor.logprob_chunk_tokens", "must be >= 0 (0: no chunks)")
     need(config.algo.max_staleness >= 0, "algo.max_staleness", "must be >= 0")
     need(config.algo.is_low <= config.algo.is_high, "algo.is_low", "must be <= --algo.is_high")
     need(config.ckpt.every >= 0, "ckpt.every", "must be >= 0")

@@ -3,18 +3,24 @@
 Each test runs the real `PolicyRank` (a 1-rank gloo group in this process,
 the real tiny models, FSDP2 sharding) twice from the same weights on the same
 packed micro-batch, once with the option and once without, and compares.
+Chunked logprobs use a Qwen3 built here with a 50k vocabulary.
 
 Activation memory is measured deterministically, not from the allocator: the
 bytes of the tensors autograd saves for backward during the training forward
 (`saved_tensors_hooks`; parameters and repeated storages not counted), plus,
 with checkpointing, the block inputs the checkpoint keeps to recompute from.
+Logits memory is the largest [*, vocab] tensor any op of the step creates
+(a `TorchDispatchMode` sees every op's output).
 """
 
+import math
 import socket
 
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from molt_train.actor.policy import PolicyRank
 from molt_train.config import ActorConfig, AlgoConfig, TrainConfig
@@ -43,13 +49,13 @@ def _micro_batch(vocab: int, routes_shape: tuple[int, int, int] | None = None):
     return mb
 
 
-def _rank(model_dir, **actor) -> PolicyRank:
+def _rank(model_dir, entropy_coef: float = 0.0, **actor) -> PolicyRank:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     train = TrainConfig(lr=LR, lr_schedule="constant", grad_clip=1e9)
     return PolicyRank(str(model_dir), str(model_dir), 0, 1, f"tcp://127.0.0.1:{port}", train,
-                      AlgoConfig(kl_coef=0.0), ActorConfig(**actor), steps=1)
+                      AlgoConfig(kl_coef=0.0, entropy_coef=entropy_coef), ActorConfig(**actor), steps=1)
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -60,10 +66,28 @@ def _clean(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "")
 
 
-def _run(model_dir, **actor) -> dict:
-    """One training step; the loss, the gradients the optimizer stepped with, the weights after, the
-    optimizer state's devices and the activation bytes saved for backward."""
-    rank = _rank(model_dir, **actor)
+class _LargestVocabTensor(TorchDispatchMode):
+    """Bytes of the largest logits-shaped tensor ([..., vocab], not a view) that any op creates; the output
+    head's weight and its gradient ([hidden, vocab] transposed) are left out."""
+
+    def __init__(self, vocab: int, hidden: int):
+        super().__init__()
+        self.vocab, self.hidden, self.bytes = vocab, hidden, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(out)[0]:
+            if (torch.is_tensor(tensor) and tensor.dim() and tensor.shape[-1] == self.vocab and tensor._base is None
+                    and tensor.numel() != self.vocab * self.hidden):
+                self.bytes = max(self.bytes, tensor.numel() * tensor.element_size())
+        return out
+
+
+def _run(model_dir, entropy_coef: float = 0.0, **actor) -> dict:
+    """One training step; the loss, the logprobs before it, the gradients the optimizer stepped with, the
+    weights after, the optimizer state's devices, the activation bytes saved for backward and the largest
+    logits-shaped tensor of the step."""
+    rank = _rank(model_dir, entropy_coef, **actor)
     try:
         config = rank.model.config
         routes_shape = None
@@ -84,12 +108,14 @@ def _run(model_dir, **actor) -> dict:
             return tensor
 
         prepared = rank.logprobs([mb])
-        with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda tensor: tensor):
+        largest = _LargestVocabTensor(config.vocab_size, config.hidden_size)
+        with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda tensor: tensor), largest:
             stats = rank.train([mb], prepared, step_tokens=int(mb.mask.sum()))
         if actor.get("activation_checkpointing") == "full":  # each block's input hidden states, kept by checkpoint
             saved[0] += config.num_hidden_layers * mb.num_tokens * config.hidden_size * 4
         weights = rank.full_weights()
-        return {"loss": stats.loss_sum, "grads": grads, "weights": weights, "saved_bytes": saved[0],
+        return {"loss": stats.loss_sum, "logprobs": prepared[0]["old"], "largest_vocab_bytes": largest.bytes,
+                "grads": grads, "weights": weights, "saved_bytes": saved[0],
                 "param_dtypes": {p.dtype for p in rank.model.parameters()},
                 "state_devices": {v.device for s in rank.optimizer.state.values() for v in s.values()
                                   if torch.is_tensor(v) and v.dim() > 0},
@@ -149,3 +175,51 @@ def test_full_offload_keeps_optimizer_state_on_host_and_equal_results(dense_dir)
     print(f"offload full vs none: weights after the step differ by {worst:.2e}; optimizer state on "
           f"{offloaded['state_devices']}")
     assert worst <= 1e-6
+
+
+@pytest.fixture(scope="module")
+def large_vocab_dir(tmp_path_factory):
+    """A Qwen3 with a 50k vocabulary and a 64-wide body: its logits dwarf its activations."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=50_000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False,
+                         max_position_embeddings=256)
+    path = tmp_path_factory.mktemp("large_vocab")
+    Qwen3ForCausalLM(config).to(torch.float32).save_pretrained(path)
+    return path
+
+
+def test_chunked_logprobs_equal_unchunked_without_whole_logits(large_vocab_dir):
+    whole = _run(large_vocab_dir, entropy_coef=0.01)
+    chunked = _run(large_vocab_dir, entropy_coef=0.01, logprob_chunk_tokens=16)
+    logprobs = float((chunked["logprobs"] - whole["logprobs"]).abs().max() / whole["logprobs"].abs().max())
+    grads = _relative(chunked["grads"], whole["grads"])
+    print(f"chunks of 16 vs whole: logprobs relative {logprobs:.2e}, loss {chunked['loss']:.8f} vs "
+          f"{whole['loss']:.8f}, gradients relative {grads:.2e}; largest [*, vocab] tensor "
+          f"{whole['largest_vocab_bytes'] / 2**20:.2f} MiB whole, {chunked['largest_vocab_bytes'] / 2**20:.2f} MiB "
+          f"chunked; saved for backward {whole['saved_bytes'] / 2**20:.2f} MiB whole, "
+          f"{chunked['saved_bytes'] / 2**20:.2f} MiB chunked")
+    assert logprobs <= 1e-6 and grads <= 1e-6
+    assert abs(chunked["loss"] - whole["loss"]) <= 1e-6 * abs(whole["loss"])
+    assert chunked["largest_vocab_bytes"] < whole["largest_vocab_bytes"] / 2
+    assert chunked["saved_bytes"] < whole["saved_bytes"] / 2
+
+
+def test_a_negative_chunk_size_is_refused_naming_the_flag():
+    from molt_train.config import Config, ConfigError, validate
+
+    with pytest.raises(ConfigError, match="actor.logprob_chunk_tokens"):
+        validate(Config(actor=ActorConfig(logprob_chunk_tokens=-1)))
+
+
+def test_molt_train_runs_in_bf16_with_checkpointing_and_chunks(tmp_path, ray_address):
+    from test_train import _train
+
+    rows = _train(tmp_path / "run", ray_address, "--steps", "2", "--train.async_queue_size", "0",
+                  "--actor.param_dtype", "bfloat16", "--actor.activation_checkpointing", "full",
+                  "--actor.logprob_chunk_tokens", "32")
+    print("bf16 run: mismatch/max_abs per step", [row["mismatch/max_abs"] for row in rows])
+    assert [row["step"] for row in rows] == [1, 2]
+    assert all(math.isfinite(row["loss"]) for row in rows)

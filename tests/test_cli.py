@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 MOLT_TRAIN = [sys.executable, "-m", "molt_train.cli"]
 
@@ -35,6 +37,7 @@ def test_help_documents_every_flag():
                  "--actor.param_dtype",
                  "--actor.activation_checkpointing",
                  "--actor.offload",
+                 "--actor.logprob_chunk_tokens",
                  ]:
         assert flag in out, flag
     assert "Engine weight dtype" in out  # field docstrings are the help text
@@ -155,3 +158,27 @@ def test_resume_starts_from_the_runs_config_and_refuses_flags_that_change_the_ru
         assert result.returncode == 1 and f"molt-train: --resume: {flag}" in result.stderr, result.stderr
     missing = subprocess.run(MOLT_TRAIN + ["--out", str(tmp_path / "nope"), "--resume"], capture_output=True, text=True)
     assert missing.returncode == 1 and "nope/config.yaml does not exist" in missing.stderr
+
+
+def _gpu_present() -> bool:
+    import shutil
+
+    return shutil.which("nvidia-smi") is not None and subprocess.run(
+        ["nvidia-smi", "-L"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(_gpu_present(), reason="a GPU is present: scripts/gpu_check.sh would install the CUDA stack "
+                                           "and run the GPU checks; run it by hand")
+def test_gpu_check_script_runs_here_and_says_what_it_skipped(tmp_path):
+    import os
+
+    report = tmp_path / "report.json"
+    result = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "MOLT_GPU_REPORT": str(report)})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "nothing installed" in result.stdout  # no CUDA stack was installed on a CPU machine
+    lines = result.stdout.strip().splitlines()
+    assert lines[-1].startswith("no CUDA: skipped"), result.stdout[-3000:]
+    checks = json.loads(report.read_text())
+    assert len(checks) >= 5 and all(c["outcome"] == "skipped" and c["reason"].startswith("no CUDA")
+                                    for c in checks.values()), checks

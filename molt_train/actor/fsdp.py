@@ -71,10 +71,10 @@ def shard_model(model: nn.Module, mesh=None, reshard_after_forward: bool = True,
     `param_dtype` and gradients are reduced in fp32. `offload` keeps the shards on the host."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    options = dict(mesh=mesh, reshard_after_forward=reshard_after_forward,
-                   mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
-                   offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload
-                   else OffloadPolicy())
+    options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
+               "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
+               "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload
+               else OffloadPolicy()}
     blocks = checkpoint_blocks(model) if activation_checkpointing else decoder_blocks(model)
     for block in blocks:
         fully_shard(block, **options)

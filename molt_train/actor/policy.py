@@ -18,7 +18,7 @@ them to the engines and writes the files.
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
@@ -98,22 +98,61 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str, min
     return min_ratio + (1.0 - min_ratio) * shape
 
 
-def token_logprobs(model, mb: MicroBatch, with_entropy: bool = False):
-    """Logprob of every token given the ones before it in its sequence ([N]; 0 at sequence starts)."""
-    if automodel.is_native(model):
-        logits = automodel.native_logits(model, mb.input_ids, mb.position_ids)[0, :-1].float()
-    else:
-        images = {name: as_model_input(tensor, model) for name, tensor in (mb.images or {}).items()}
-        out = model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None], use_cache=False, **images)
-        logits = out.logits[0, :-1].float()
+def token_logprobs(model, mb: MicroBatch, with_entropy: bool = False, chunk_tokens: int = 0):
+    """Logprob of every token given the ones before it in its sequence ([N]; 0 at sequence starts), and
+    with `with_entropy` the entropy of each prediction; in fp32 whatever the model computes in.
+
+    With `chunk_tokens`, the model's output head returns these per-token values instead of logits,
+    computing them `chunk_tokens` positions at a time and recomputing each chunk in backward: the
+    [N, vocab] logits never exist whole (`actor.logprob_chunk_tokens`)."""
     targets = mb.input_ids[1:]
-    logprobs = torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0]
+    with _per_token_head(model, targets, chunk_tokens, with_entropy) if chunk_tokens else nullcontext():
+        if automodel.is_native(model):
+            out = automodel.native_logits(model, mb.input_ids, mb.position_ids)
+        else:
+            images = {name: as_model_input(tensor, model) for name, tensor in (mb.images or {}).items()}
+            out = model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None], use_cache=False,
+                        **images).logits
+    columns = out[0] if chunk_tokens else _per_token(out[0, :-1], targets, with_entropy)
     starts = mb.position_ids[1:] == 0  # the first token of a packed sequence has no prediction
-    logprobs = torch.cat([logprobs.new_zeros(1), torch.where(starts, torch.zeros_like(logprobs), logprobs)])
-    if not with_entropy:
-        return logprobs, None
-    entropy = torch.cat([logits.new_zeros(1), entropy_from_logits(logits)])
+    logprobs = torch.cat([columns.new_zeros(1), torch.where(starts, 0.0, columns[:, 0])])
+    entropy = torch.cat([columns.new_zeros(1), columns[:, 1]]) if with_entropy else None
     return logprobs, entropy
+
+
+def _per_token(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool) -> torch.Tensor:
+    """[positions, 1 or 2]: the target's fp32 logprob at each position of `logits` [positions, vocab], and
+    the entropy."""
+    logits = logits.float()
+    logprobs = torch.log_softmax(logits, -1).gather(-1, targets[:, None])
+    return torch.cat([logprobs, entropy_from_logits(logits)[:, None]], -1) if with_entropy else logprobs
+
+
+@contextmanager
+def _per_token_head(model, targets: torch.Tensor, chunk_tokens: int, with_entropy: bool):
+    """Within the model's own forward (so FSDP has gathered the head's weight), its output head maps the
+    hidden states [1, N, hidden] to `_per_token` values [1, N - 1, 1 or 2], chunk by chunk."""
+    from torch.utils.checkpoint import checkpoint
+
+    if getattr(model.config.get_text_config(), "final_logit_softcapping", None):
+        raise ValueError(f"--actor.logprob_chunk_tokens: {type(model).__name__} soft-caps its logits after the "
+                         "output head, which the chunked head does not; use 0")
+    head = model.get_output_embeddings()
+
+    def chunk(hidden, chunk_targets):
+        return _per_token(torch.nn.functional.linear(hidden, head.weight, head.bias), chunk_targets, with_entropy)
+
+    def forward(hidden):  # a new tensor, not a view: FSDP hooks its backward on the root's output
+        hidden = hidden[0, :-1]
+        return torch.cat([checkpoint(chunk, hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens],
+                                     use_reentrant=False)[None]
+                          for start in range(0, len(hidden), chunk_tokens)], dim=1)
+
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward
 
 
 class PolicyRank:
@@ -124,6 +163,7 @@ class PolicyRank:
         torch.manual_seed(seed)
         self.rank, self.world_size = rank, world_size
         self.train_config, self.algo = train, algo
+        self.chunk_tokens = actor.logprob_chunk_tokens
         self.device = fsdp.init_process_group(rank, world_size, init_method)
         model = self._load(start_dir, actor.backend)
         if actor.freeze_moe_router:
@@ -162,9 +202,9 @@ class PolicyRank:
 
     def _shard(self, model, actor: ActorConfig):
         """Shard with the actor's backend, in its compute dtype, checkpointing and offload."""
-        options = dict(param_dtype=getattr(torch, actor.param_dtype),
-                       activation_checkpointing=actor.activation_checkpointing == "full",
-                       offload=actor.offload == "full")
+        options = {"param_dtype": getattr(torch, actor.param_dtype),
+                   "activation_checkpointing": actor.activation_checkpointing == "full",
+                   "offload": actor.offload == "full"}
         if actor.backend == "automodel":
             return automodel.shard_model(model, data_parallel=self.world_size, **options)
         return fsdp.shard_model(model, **options)
@@ -199,8 +239,9 @@ class PolicyRank:
         out = []
         for mb in micro_batches:
             with self._routes(mb, measure=True):
-                current, _ = token_logprobs(self.model, mb)
-            reference = token_logprobs(self.reference, mb)[0] if self.reference is not None else None
+                current, _ = token_logprobs(self.model, mb, chunk_tokens=self.chunk_tokens)
+            reference = (token_logprobs(self.reference, mb, chunk_tokens=self.chunk_tokens)[0]
+                         if self.reference is not None else None)
             out.append({"old": current, "ref": reference})
         return out
 
@@ -217,7 +258,7 @@ class PolicyRank:
         for update in range(updates):
             for mb, p in zip(micro_batches[update::updates], prepared[update::updates]):
                 with self._routes(mb):
-                    logprobs, entropy = token_logprobs(self.model, mb, with_entropy=algo.entropy_coef > 0)
+                    logprobs, entropy = token_logprobs(self.model, mb, algo.entropy_coef > 0, self.chunk_tokens)
                 weights, keep = importance_weights(p["old"], mb.engine_logprobs, mb.mask, mb.sequence,
                                                    algo.is_level, algo.is_mode, algo.is_low, algo.is_high)
                 mask = mb.mask * keep

@@ -233,6 +233,12 @@ def validate(config: Config) -> None:
     need(config.train.updates_per_batch >= 1, "train.updates_per_batch", "must be >= 1")
     need(config.actor.world_size >= 1, "actor.world_size", "must be >= 1")
     need(config.actor.logprob_chunk_tokens >= 0, "actor.logprob_chunk_tokens", "must be >= 0 (0: no chunks)")
+    single_automodel_rank = config.actor.backend == "automodel" and config.actor.world_size == 1
+    for flag, value, plain in (("param_dtype", config.actor.param_dtype, "float32"),
+                               ("offload", config.actor.offload, "none")):
+        need(value == plain or not single_automodel_rank, f"actor.{flag}",
+             f"{value} needs FSDP, which NeMo AutoModel does not apply to a single rank: use "
+             "--actor.backend fsdp2 or --actor.world_size >= 2")
     need(config.algo.max_staleness >= 0, "algo.max_staleness", "must be >= 0")
     need(config.algo.is_low <= config.algo.is_high, "algo.is_low", "must be <= --algo.is_high")
     need(config.ckpt.every >= 0, "ckpt.every", "must be >= 0")

@@ -152,15 +152,16 @@ def test_bf16_step_stays_close_to_fp32_with_fp32_master_weights(dense_dir):
     assert {tensor.dtype for tensor in bf16["weights"].values()} == {torch.float32}  # engines, checkpoints
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_activation_checkpointing_keeps_gradients_and_saves_less(kind, dense_dir, moe_dir):
-    """On the MoE model the routes replayed (random experts) must also hold in backward's recompute."""
+@pytest.mark.parametrize("kind,backend", [("dense", "fsdp2"), ("moe", "fsdp2"), ("moe", "automodel")])
+def test_activation_checkpointing_keeps_gradients_and_saves_less(kind, backend, dense_dir, moe_dir):
+    """On the MoE models (transformers', and AutoModel's own class) the routes replayed (random experts)
+    must also hold in backward's recompute."""
     model_dir = moe_dir if kind == "moe" else dense_dir
-    plain = _run(model_dir)
-    checkpointed = _run(model_dir, activation_checkpointing="full")
+    plain = _run(model_dir, backend=backend)
+    checkpointed = _run(model_dir, backend=backend, activation_checkpointing="full")
     assert plain["grads"].keys() == checkpointed["grads"].keys()
     worst = _relative(checkpointed["grads"], plain["grads"])
-    print(f"{kind}: checkpointed vs plain gradients relative {worst:.2e}; saved for backward "
+    print(f"{kind}/{backend}: checkpointed vs plain gradients relative {worst:.2e}; saved for backward "
           f"{plain['saved_bytes'] / 2**20:.2f} MiB plain, {checkpointed['saved_bytes'] / 2**20:.2f} MiB checkpointed")
     assert worst <= 1e-6
     assert checkpointed["saved_bytes"] < plain["saved_bytes"]
@@ -207,11 +208,17 @@ def test_chunked_logprobs_equal_unchunked_without_whole_logits(large_vocab_dir):
     assert chunked["saved_bytes"] < whole["saved_bytes"] / 2
 
 
-def test_a_negative_chunk_size_is_refused_naming_the_flag():
+@pytest.mark.parametrize("actor,flag", [({"logprob_chunk_tokens": -1}, "actor.logprob_chunk_tokens"),
+                                        ({"backend": "automodel", "param_dtype": "bfloat16"}, "actor.param_dtype"),
+                                        ({"backend": "automodel", "offload": "full"}, "actor.offload")])
+def test_combinations_that_cannot_run_are_refused_naming_the_flag(actor, flag):
+    """AutoModel's parallelizers leave a single data-parallel rank unsharded, so FSDP's mixed precision and
+    offload policies would silently not apply."""
     from molt_train.config import Config, ConfigError, validate
 
-    with pytest.raises(ConfigError, match="actor.logprob_chunk_tokens"):
-        validate(Config(actor=ActorConfig(logprob_chunk_tokens=-1)))
+    with pytest.raises(ConfigError, match=flag):
+        validate(Config(actor=ActorConfig(**actor)))
+    validate(Config(actor=ActorConfig(**actor, world_size=2)) if "backend" in actor else Config())
 
 
 def test_molt_train_runs_in_bf16_with_checkpointing_and_chunks(tmp_path, ray_address):

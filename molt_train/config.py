@@ -132,9 +132,10 @@ class ActorConfig:
     """Compute dtype of the actor's forwards and backwards (FSDP2 mixed precision). bfloat16 keeps fp32
     master weights and optimizer states, reduces gradients in fp32 and takes the logprobs in fp32 from
     the bf16 logits; the weights sent to the engines and checkpoints stay fp32."""
-    activation_checkpointing: Literal["none", "full"] = "none"
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
     """full: keep only each decoder block's inputs and recompute its activations in backward (less
-    memory for long sequences, about one more forward of compute). Routing replay covers the recompute."""
+    memory for long sequences, about one more forward of compute); selective: every other block (about
+    half the saving for half the recompute; fsdp2 backend). Routing replay covers the recompute."""
     logprob_chunk_tokens: int = 0
     """Compute token logprobs and entropies this many positions at a time (the output head and the
     log-softmax per chunk, recomputed in backward), so a micro-batch's [tokens, vocab] logits never
@@ -233,6 +234,8 @@ def validate(config: Config) -> None:
     need(config.train.updates_per_batch >= 1, "train.updates_per_batch", "must be >= 1")
     need(config.actor.world_size >= 1, "actor.world_size", "must be >= 1")
     need(config.actor.logprob_chunk_tokens >= 0, "actor.logprob_chunk_tokens", "must be >= 0 (0: no chunks)")
+    need(config.actor.activation_checkpointing != "selective" or config.actor.backend == "fsdp2",
+         "actor.activation_checkpointing", "selective needs --actor.backend fsdp2 (AutoModel checkpoints all blocks)")
     single_automodel_rank = config.actor.backend == "automodel" and config.actor.world_size == 1
     for flag, value, plain in (("param_dtype", config.actor.param_dtype, "float32"),
                                ("offload", config.actor.offload, "none")):

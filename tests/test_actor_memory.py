@@ -111,8 +111,9 @@ def _run(model_dir, entropy_coef: float = 0.0, **actor) -> dict:
         largest = _LargestVocabTensor(config.vocab_size, config.hidden_size)
         with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda tensor: tensor), largest:
             stats = rank.train([mb], prepared, step_tokens=int(mb.mask.sum()))
-        if actor.get("activation_checkpointing") == "full":  # each block's input hidden states, kept by checkpoint
-            saved[0] += config.num_hidden_layers * mb.num_tokens * config.hidden_size * 4
+        every = {"full": 1, "selective": 2}.get(actor.get("activation_checkpointing"))
+        if every:  # each checkpointed block's input hidden states, kept by checkpoint
+            saved[0] += len(range(0, config.num_hidden_layers, every)) * mb.num_tokens * config.hidden_size * 4
         weights = rank.full_weights()
         return {"loss": stats.loss_sum, "logprobs": prepared[0]["old"], "largest_vocab_bytes": largest.bytes,
                 "grads": grads, "weights": weights, "saved_bytes": saved[0],
@@ -165,6 +166,13 @@ def test_activation_checkpointing_keeps_gradients_and_saves_less(kind, backend, 
           f"{plain['saved_bytes'] / 2**20:.2f} MiB plain, {checkpointed['saved_bytes'] / 2**20:.2f} MiB checkpointed")
     assert worst <= 1e-6
     assert checkpointed["saved_bytes"] < plain["saved_bytes"]
+    if backend == "fsdp2":
+        selective = _run(model_dir, activation_checkpointing="selective")
+        worst = _relative(selective["grads"], plain["grads"])
+        print(f"{kind}/{backend}: selective (every other block) gradients relative {worst:.2e}; saved for "
+              f"backward {selective['saved_bytes'] / 2**20:.2f} MiB")
+        assert worst <= 1e-6
+        assert checkpointed["saved_bytes"] < selective["saved_bytes"] < plain["saved_bytes"]
 
 
 def test_full_offload_keeps_optimizer_state_on_host_and_equal_results(dense_dir):
@@ -208,24 +216,29 @@ def test_chunked_logprobs_equal_unchunked_without_whole_logits(large_vocab_dir):
     assert chunked["saved_bytes"] < whole["saved_bytes"] / 2
 
 
-@pytest.mark.parametrize("actor,flag", [({"logprob_chunk_tokens": -1}, "actor.logprob_chunk_tokens"),
-                                        ({"backend": "automodel", "param_dtype": "bfloat16"}, "actor.param_dtype"),
-                                        ({"backend": "automodel", "offload": "full"}, "actor.offload")])
-def test_combinations_that_cannot_run_are_refused_naming_the_flag(actor, flag):
+@pytest.mark.parametrize("refused,flag,runs", [
+    ({"logprob_chunk_tokens": -1}, "actor.logprob_chunk_tokens", {"logprob_chunk_tokens": 1024}),
+    ({"backend": "automodel", "param_dtype": "bfloat16"}, "actor.param_dtype",
+     {"backend": "automodel", "param_dtype": "bfloat16", "world_size": 2}),
+    ({"backend": "automodel", "offload": "full"}, "actor.offload",
+     {"backend": "automodel", "offload": "full", "world_size": 2}),
+    ({"backend": "automodel", "activation_checkpointing": "selective"}, "actor.activation_checkpointing",
+     {"activation_checkpointing": "selective"})])
+def test_combinations_that_cannot_run_are_refused_naming_the_flag(refused, flag, runs):
     """AutoModel's parallelizers leave a single data-parallel rank unsharded, so FSDP's mixed precision and
-    offload policies would silently not apply."""
+    offload policies would silently not apply; its checkpointing is all blocks or none."""
     from molt_train.config import Config, ConfigError, validate
 
     with pytest.raises(ConfigError, match=flag):
-        validate(Config(actor=ActorConfig(**actor)))
-    validate(Config(actor=ActorConfig(**actor, world_size=2)) if "backend" in actor else Config())
+        validate(Config(actor=ActorConfig(**refused)))
+    validate(Config(actor=ActorConfig(**runs)))
 
 
-def test_molt_train_runs_in_bf16_with_checkpointing_and_chunks(tmp_path, ray_address):
+def test_molt_train_runs_in_bf16_with_selective_checkpointing_and_chunks(tmp_path, ray_address):
     from test_train import _train
 
     rows = _train(tmp_path / "run", ray_address, "--steps", "2", "--train.async_queue_size", "0",
-                  "--actor.param_dtype", "bfloat16", "--actor.activation_checkpointing", "full",
+                  "--actor.param_dtype", "bfloat16", "--actor.activation_checkpointing", "selective",
                   "--actor.logprob_chunk_tokens", "32")
     print("bf16 run: mismatch/max_abs per step", [row["mismatch/max_abs"] for row in rows])
     assert [row["step"] for row in rows] == [1, 2]

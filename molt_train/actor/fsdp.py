@@ -5,8 +5,8 @@ FSDP unit (so only one block's full parameters exist at a time), then the
 root module takes what is left (embeddings, final norm, lm_head).
 
 Memory options, all applied here: bf16 compute over fp32 master weights
-(`MixedPrecisionPolicy`), activation checkpointing of every block (each
-block's activations are recomputed in backward), and CPU offload of the
+(`MixedPrecisionPolicy`), activation checkpointing of every block or every
+other one (their activations are recomputed in backward), and CPU offload of the
 sharded parameters, gradients and optimizer states (`CPUOffloadPolicy`).
 """
 
@@ -46,36 +46,37 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def checkpoint_blocks(model: nn.Module) -> list[nn.Module]:
-    """Wrap every decoder block in torch's non-reentrant activation checkpointing, in place; returns the
-    wrappers. Their state-dict keys are the blocks' own (the wrapper strips its prefix)."""
+def checkpoint_blocks(model: nn.Module, every: int = 1) -> list[nn.Module]:
+    """Wrap every `every`-th decoder block (from the first) in torch's non-reentrant activation
+    checkpointing, in place; returns all the blocks in order, the wrapped ones as their wrappers.
+    State-dict keys stay the blocks' own (the wrapper strips its prefix)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
-    blocks = {id(block) for block in decoder_blocks(model)}
-    wrappers = []
+    blocks = decoder_blocks(model)
+    chosen, wrappers = {id(block) for block in blocks[::every]}, {}
     for parent in list(model.modules()):
         for name, child in parent.named_children():
-            if id(child) in blocks:
-                wrapper = checkpoint_wrapper(child, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-                setattr(parent, name, wrapper)
-                wrappers.append(wrapper)
-    return wrappers
+            if id(child) in chosen:
+                wrappers[id(child)] = checkpoint_wrapper(child, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+                setattr(parent, name, wrappers[id(child)])
+    return [wrappers.get(id(block), block) for block in blocks]
 
 
 def shard_model(model: nn.Module, mesh=None, reshard_after_forward: bool = True,
-                param_dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False,
+                param_dtype: torch.dtype = torch.float32, checkpoint_every: int = 0,
                 offload: bool = False) -> nn.Module:
     """Apply `fully_shard` to every decoder block, then to the root; in place.
 
     The parameters FSDP holds keep the model's dtype (the master weights); forwards compute in
-    `param_dtype` and gradients are reduced in fp32. `offload` keeps the shards on the host."""
+    `param_dtype` and gradients are reduced in fp32. Every `checkpoint_every`-th block recomputes its
+    activations in backward (0: none). `offload` keeps the shards on the host."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
                "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
                "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload
                else OffloadPolicy()}
-    blocks = checkpoint_blocks(model) if activation_checkpointing else decoder_blocks(model)
+    blocks = checkpoint_blocks(model, checkpoint_every) if checkpoint_every else decoder_blocks(model)
     for block in blocks:
         fully_shard(block, **options)
     fully_shard(model, **options)

@@ -202,12 +202,12 @@ class PolicyRank:
 
     def _shard(self, model, actor: ActorConfig):
         """Shard with the actor's backend, in its compute dtype, checkpointing and offload."""
-        options = {"param_dtype": getattr(torch, actor.param_dtype),
-                   "activation_checkpointing": actor.activation_checkpointing == "full",
-                   "offload": actor.offload == "full"}
-        if actor.backend == "automodel":
-            return automodel.shard_model(model, data_parallel=self.world_size, **options)
-        return fsdp.shard_model(model, **options)
+        dtype, offload = getattr(torch, actor.param_dtype), actor.offload == "full"
+        checkpoint_every = {"none": 0, "full": 1, "selective": 2}[actor.activation_checkpointing]
+        if actor.backend == "automodel":  # selective is refused there by `validate`
+            return automodel.shard_model(model, data_parallel=self.world_size, param_dtype=dtype,
+                                         activation_checkpointing=checkpoint_every == 1, offload=offload)
+        return fsdp.shard_model(model, param_dtype=dtype, checkpoint_every=checkpoint_every, offload=offload)
 
     def _hf_tensors(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """A full tensor of the model as the Hugging Face checkpoint tensors it holds (engines and

@@ -80,6 +80,19 @@ def run(coroutine):
     return asyncio.run(coroutine)
 
 
+async def long_request(engine, prompt, max_tokens: int):
+    """Start a seeded request on `engine` and return its future once its first tokens are sampled
+    (so a weight update after this lands mid-request)."""
+    from molt_agents.engines import SamplingParams
+
+    loop, started = asyncio.get_running_loop(), asyncio.Event()
+    request = asyncio.ensure_future(engine.generate(
+        prompt, SamplingParams(max_tokens=max_tokens, seed=1),
+        on_tokens=lambda index, progress: loop.call_soon_threadsafe(started.set)))
+    await started.wait()
+    return request
+
+
 def live_loopback(vllm_engines, model_dir, max_model_len: int = 512):
     """A live loopback over the session's engine for `model_dir`, on a random port; finished sessions'
     trajectories collect in `.captured`. A generator, for fixtures to yield from."""

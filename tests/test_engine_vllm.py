@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import run
+from conftest import long_request, run
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from molt_agents.chat_template import render_prompt_ids
@@ -89,8 +89,6 @@ def test_vllm_new_requests_never_reuse_kv_of_old_weights(vllm_dense, dense_dir):
     """Partial rollout: a request in flight across a weight update still holds prefix-cache blocks
     computed by the old weights (vLLM then refuses to reset its prefix cache). A new request with the
     same prompt must not reuse them: its logprobs are the new weights' own."""
-    import asyncio
-
     prompt = (_prompt(dense_dir) * 20)[:320]  # several KV-cache blocks
     model = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32)
     with torch.no_grad():
@@ -98,11 +96,7 @@ def test_vllm_new_requests_never_reuse_kv_of_old_weights(vllm_dense, dense_dir):
             layer.self_attn.v_proj.weight.mul_(2.0)  # changes every cached value vector
 
     async def scenario():
-        loop, started = asyncio.get_running_loop(), asyncio.Event()
-        old = asyncio.ensure_future(vllm_dense.generate(
-            prompt, SamplingParams(max_tokens=400, seed=1),
-            on_tokens=lambda index, progress: loop.call_soon_threadsafe(started.set)))
-        await started.wait()
+        old = await long_request(vllm_dense, prompt, 400)
         await vllm_dense.pause()
         version = await vllm_dense.update_weights(list(model.state_dict().items()))
         await vllm_dense.resume()

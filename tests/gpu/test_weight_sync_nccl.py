@@ -17,7 +17,7 @@ On a one-GPU machine `molt-train` must therefore sync by the object store
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import run  # tests/conftest.py
+from conftest import long_request, run  # tests/conftest.py
 
 from molt_agents.engines import SamplingParams
 
@@ -79,11 +79,7 @@ def test_nccl_bucketed_sync_with_partial_rollout(vllm_engines, dense_dir, record
     async def scenario():
         # Join the channel first (the trainer process takes seconds to start), then start a long request.
         channel = await asyncio.to_thread(Channel, "127.0.0.1", port, 1, 2, torch.device("cuda", 0), 120)
-        loop, started = asyncio.get_running_loop(), asyncio.Event()
-        old = asyncio.ensure_future(engine.generate(
-            prompt, SamplingParams(max_tokens=1000, seed=1),
-            on_tokens=lambda index, progress: loop.call_soon_threadsafe(started.set)))
-        await started.wait()
+        old = await long_request(engine, prompt, 1000)
         await engine.pause()
         began = time.perf_counter()
         try:

@@ -22,8 +22,30 @@ class EngineConfig:
     max_model_len: int | None = None
     """Longest sequence (prompt + completion) the engine accepts, in tokens; default: the model's own
     context (max_position_embeddings). More than the model's context is refused."""
-    workers: int = 1
-    """Rollout worker actors, each with its own engine."""
+    data_parallel_size: int = 1
+    """Engine replicas: rollout worker actors, each with its own engine (and loopback), sharing the prompt
+    groups."""
+    tensor_parallel_size: int = 1
+    """Ranks of one engine (GPUs; processes on CPU), all on one node: vLLM slices every weight across them,
+    and each weight sync reaches all of them."""
+    expert_parallel: bool = False
+    """MoE models: spread whole experts over the engine's tensor-parallel ranks (vLLM's
+    enable_expert_parallel) instead of slicing every expert."""
+    gpu_memory_utilization: float = 0.85
+    """Fraction of each engine GPU that vLLM may fill (weights, activations, KV cache); on CPU the KV cache
+    takes VLLM_CPU_KVCACHE_SPACE GiB instead (1 unless set)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV cache of shared prompt prefixes (group samples, multi-turn episodes); blocks are salted
+    with the policy version, so no request reuses KV computed by older weights."""
+    enforce_eager: bool | None = None
+    """Run the model eagerly instead of capturing CUDA graphs; default: eager on CPU, graphs on GPU."""
+    kv_cache_dtype: Literal["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    """KV cache dtype (auto: the engine dtype); fp8 halves the cache and widens the engine-trainer logprob
+    mismatch, which the importance weights then correct."""
+    speculative: Literal["none", "ngram", "mtp"] = "none"
+    """Speculative decoding (n-gram or the model's MTP head). Refused: this vLLM reports a wrong logprob
+    for a sampled token where a request stops inside an accepted draft, and every trained token must carry
+    the logprob it was sampled with."""
 
 
 @dataclass
@@ -126,6 +148,14 @@ class ActorConfig:
     """FSDP2 ranks (gloo on CPU, NCCL on GPU)."""
     backend: Literal["fsdp2", "automodel"] = "fsdp2"
     """Sharding: torch fully_shard, or NeMo AutoModel's parallelizer."""
+    tensor_parallel: int = 1
+    """Ranks that split each weight matrix (AutoModel TP; --actor.backend automodel); they see the same data."""
+    context_parallel: int = 1
+    """Ranks that split each sequence (AutoModel CP; --actor.backend automodel); refused when the actor starts:
+    it needs CUDA, and the actor does not yet shard its packed micro-batches over these ranks."""
+    expert_parallel: int = 1
+    """Ranks over which a MoE model's experts are spread (AutoModel EP; --actor.backend automodel); it folds
+    into the other ranks, so it divides world_size, and each rank keeps its own data."""
     freeze_moe_router: bool = False
     """MoE policies: keep the router weights fixed (not optimized, not sent to the engines)."""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -140,10 +170,17 @@ class ActorConfig:
     """Compute token logprobs and entropies this many positions at a time (the output head and the
     log-softmax per chunk, recomputed in backward), so a micro-batch's [tokens, vocab] logits never
     exist whole; for large vocabularies, e.g. 1024. 0: all positions at once."""
-    offload: Literal["none", "full"] = "none"
-    """full: the sharded parameters, gradients and AdamW states live in host memory (FSDP2
-    CPUOffloadPolicy; the optimizer steps on the CPU) and each block's parameters visit the device only
-    for its compute."""
+    offload: Literal["none", "optimizer", "full"] = "none"
+    """optimizer: the sharded parameters and gradients stay on the device, AdamW's states and fp32 master
+    weights live in host memory (ZeRO-Offload: gradient shards go to the host, AdamW steps on the CPU, the
+    updated shards come back). full: the sharded parameters, gradients and AdamW states all live in host
+    memory (FSDP2 CPUOffloadPolicy) and each block's parameters visit the device only for its compute."""
+
+    @property
+    def data_parallel(self) -> int:
+        """Groups of ranks that train on different micro-batches: world_size / (tensor_parallel x context_parallel),
+        as AutoModel's device mesh (dp, cp, tp) lays them out, tensor-parallel ranks innermost."""
+        return self.world_size // (self.tensor_parallel * self.context_parallel)
 
 
 @dataclass
@@ -213,6 +250,9 @@ class ConfigError(ValueError):
     pass
 
 
+SPECULATIVE_CHECKED_ON = "0.32"  # the vLLM whose speculative logprobs tests/test_engine_vllm.py measures
+
+
 def validate(config: Config) -> None:
     """Reject values and combinations that cannot run, naming the flag."""
     def need(ok: bool, flag: str, why: str):
@@ -237,16 +277,51 @@ def validate(config: Config) -> None:
     need(config.actor.activation_checkpointing != "selective" or config.actor.backend == "fsdp2",
          "actor.activation_checkpointing", "selective needs --actor.backend fsdp2 (AutoModel checkpoints all blocks)")
     single_automodel_rank = config.actor.backend == "automodel" and config.actor.world_size == 1
-    for flag, value, plain in (("param_dtype", config.actor.param_dtype, "float32"),
-                               ("offload", config.actor.offload, "none")):
-        need(value == plain or not single_automodel_rank, f"actor.{flag}",
+    for flag, value, without_fsdp in (("param_dtype", config.actor.param_dtype, ("float32",)),
+                                      ("offload", config.actor.offload, ("none", "optimizer"))):
+        need(value in without_fsdp or not single_automodel_rank, f"actor.{flag}",
              f"{value} needs FSDP, which NeMo AutoModel does not apply to a single rank: use "
              "--actor.backend fsdp2 or --actor.world_size >= 2")
+    _validate_actor_parallel(config.actor, need)
     need(config.algo.max_staleness >= 0, "algo.max_staleness", "must be >= 0")
     need(config.algo.is_low <= config.algo.is_high, "algo.is_low", "must be <= --algo.is_high")
     need(config.ckpt.every >= 0, "ckpt.every", "must be >= 0")
-    need(config.engine.workers >= 1, "engine.workers", "must be >= 1")
+    engine = config.engine
+    need(engine.data_parallel_size >= 1, "engine.data_parallel_size", "must be >= 1")
+    need(engine.tensor_parallel_size >= 1, "engine.tensor_parallel_size", "must be >= 1")
+    need(0 < engine.gpu_memory_utilization <= 1, "engine.gpu_memory_utilization", "must be in (0, 1]")
+    if engine.name == "hf":
+        for flag, value, plain in (("tensor_parallel_size", engine.tensor_parallel_size, 1),
+                                   ("expert_parallel", engine.expert_parallel, False),
+                                   ("kv_cache_dtype", engine.kv_cache_dtype, "auto"),
+                                   ("speculative", engine.speculative, "none")):
+            need(value == plain, f"engine.{flag}", f"{value} needs --engine.name vllm (the hf engine is one process "
+                 "with a plain cache)")
+    need(not engine.expert_parallel or engine.tensor_parallel_size >= 2, "engine.expert_parallel",
+         "spreads experts over the engine's ranks: needs --engine.tensor_parallel_size >= 2")
+    need(engine.speculative == "none", "engine.speculative",
+         f"{engine.speculative}: vLLM {SPECULATIVE_CHECKED_ON} reports a wrong logprob for a sampled token where a "
+         "request stops inside an accepted draft (measured up to 9.7 nats off on the tiny model, "
+         "tests/test_engine_vllm.py), and a trained token must carry the logprob it was sampled with")
     need(not (config.rollout.group_size == 1 and config.algo.estimator in ("grpo", "dr_grpo", "rloo", "gspo",
                                                                           "reinforce_pp_baseline")),
          "algo.estimator", f"{config.algo.estimator} needs --rollout.group_size >= 2 for its group baseline")
     need(not (config.resume and config.out is None), "resume", "needs --out RUN_DIR of the run to continue")
+
+
+def _validate_actor_parallel(actor: ActorConfig, need) -> None:
+    """The actor's model-parallel sizes against the backend and the world size, laid out as AutoModel's
+    device mesh does: world_size = data-parallel x context_parallel x tensor_parallel, and the expert
+    ranks fold into all of them (expert_parallel divides world_size)."""
+    for flag in ("tensor_parallel", "context_parallel", "expert_parallel"):
+        size = getattr(actor, flag)
+        need(size >= 1, f"actor.{flag}", "must be >= 1")
+        need(size == 1 or actor.backend == "automodel", f"actor.{flag}", f"{size} needs --actor.backend automodel")
+    need(actor.world_size % (actor.tensor_parallel * actor.context_parallel) == 0, "actor.tensor_parallel",
+         f"{actor.tensor_parallel} x --actor.context_parallel {actor.context_parallel} does not divide "
+         f"--actor.world_size {actor.world_size}")
+    need(actor.world_size % actor.expert_parallel == 0, "actor.expert_parallel",
+         f"{actor.expert_parallel} does not divide --actor.world_size {actor.world_size}")
+    need(actor.tensor_parallel == 1 or actor.logprob_chunk_tokens == 0, "actor.logprob_chunk_tokens",
+         "the chunked output head does not take a tensor-parallel (vocabulary-sharded) one: use 0 with "
+         "--actor.tensor_parallel > 1")

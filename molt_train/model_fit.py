@@ -31,6 +31,12 @@ def context_limit(model: dict) -> int | None:
     return _text_field(model, "max_position_embeddings")
 
 
+def experts(model: dict) -> int:
+    """The model's routed experts per MoE layer; 0 for a dense model."""
+    return next((_text_field(model, key) for key in ("num_experts", "num_local_experts", "n_routed_experts")
+                 if _text_field(model, key)), 0)
+
+
 def fit_to_model(config: Config, model_dir: str | Path) -> None:
     """Resolve `engine.max_model_len` from the model; raise a ConfigError naming the flag on a mismatch."""
     model = model_config(model_dir)
@@ -49,6 +55,14 @@ def fit_to_model(config: Config, model_dir: str | Path) -> None:
                           "embeddings (tie_word_embeddings), and vLLM's in-place weight reload leaves the tied "
                           "lm_head stale, so the engine would keep sampling from the first weights; use "
                           "--engine.name hf, or untie the model")
+    heads, ranks = _text_field(model, "num_attention_heads"), engine.tensor_parallel_size
+    if heads and heads % ranks:
+        raise ConfigError(f"--engine.tensor_parallel_size: {ranks} ranks cannot split the model's {heads} "
+                          "attention heads evenly; use a divisor of the head count")
+    if engine.expert_parallel and not experts(model):
+        raise ConfigError(f"--engine.expert_parallel: the model in {model_dir} is dense (no experts in its "
+                          "config.json)")
+    _fit_actor_parallel(config, model, model_dir)
     if model.get("quantization_config"):
         method = model["quantization_config"].get("quant_method", "quantized")
         raise ConfigError(f"--model: the model in {model_dir} is quantized ({method}); the trainer trains and "
@@ -63,3 +77,22 @@ def fit_to_model(config: Config, model_dir: str | Path) -> None:
         problem = unloadable(model_dir)
         if problem:
             raise ConfigError(f"--model {config.model}: {problem}; pass --engine.name hf")
+
+
+def _fit_actor_parallel(config: Config, model: dict, model_dir: str | Path) -> None:
+    """The actor's tensor-parallel ranks split the attention heads; its expert-parallel ranks, the experts."""
+    actor = config.actor
+    for field in ("num_attention_heads", "num_key_value_heads"):
+        heads = _text_field(model, field)
+        if heads and heads % actor.tensor_parallel:
+            raise ConfigError(f"--actor.tensor_parallel: {actor.tensor_parallel} ranks cannot split the model's "
+                              f"{heads} heads ({field} in {model_dir}/config.json); use a divisor of it")
+    if actor.expert_parallel == 1:
+        return
+    count = experts(model)
+    if not count:
+        raise ConfigError(f"--actor.expert_parallel: the model in {model_dir} is dense (no experts in its "
+                          "config.json); use 1")
+    if count % actor.expert_parallel:
+        raise ConfigError(f"--actor.expert_parallel: {actor.expert_parallel} ranks cannot share the model's "
+                          f"{count} experts evenly; use a divisor of it")

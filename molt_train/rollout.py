@@ -43,7 +43,7 @@ class RolloutWorker:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.vision = Vision(model_dir) if Vision.available(model_dir) else None  # observations may carry images
         self.engine = make_engine(engine["name"], model_dir, dtype=engine["dtype"], seed=seed,
-                                  max_model_len=engine["max_model_len"])
+                                  max_model_len=engine["max_model_len"], **engine["options"])
         self.engine.version = version  # a resumed run continues the version count
         self.params = SamplingParams(**sampling)
         self.agent, self.loopback, self.serving = None, None, None

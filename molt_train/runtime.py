@@ -2,7 +2,7 @@
 
 Local `ray.init` by default, or `--ray.address` to join a cluster. Actors ask
 for no CPUs (the engine and the trainer ranks share the machine; placement
-is explicit through `engine.workers` and `actor.world_size`).
+is explicit through `engine.data_parallel_size` and `actor.world_size`).
 
 Weight sync (pause, load, version + 1, resume, between two engine steps):
 by default the trainer broadcasts the weights in buckets on a channel of its
@@ -26,7 +26,6 @@ import ray
 from molt_train.console import StartupError, cause
 from molt_train.rollout import GroupStream, RolloutWorker
 from molt_train.trainer import TrainerGroup
-
 
 WORKER_RESTARTS = 4  # per worker, over the run
 
@@ -54,6 +53,18 @@ async def _instance(worker, restart_timeout: float = 600.0) -> str:
             await asyncio.sleep(1.0)
 
 
+def engine_options(engine) -> dict:
+    """The serving flags of `engine` (an EngineConfig) as the vLLM engine's arguments; none for hf."""
+    if engine.name != "vllm":
+        return {}
+    options = dict(tensor_parallel_size=engine.tensor_parallel_size, enable_expert_parallel=engine.expert_parallel,
+                   gpu_memory_utilization=engine.gpu_memory_utilization,
+                   enable_prefix_caching=engine.enable_prefix_caching, kv_cache_dtype=engine.kv_cache_dtype)
+    if engine.enforce_eager is not None:
+        options["enforce_eager"] = engine.enforce_eager
+    return options
+
+
 class Runtime:
     @classmethod
     async def start(cls, config, model_dir: str, resume_from, state: dict, phase=print) -> Runtime:
@@ -69,14 +80,15 @@ class Runtime:
         rollout = config.rollout
         sampling = dict(temperature=rollout.temperature, top_p=rollout.top_p, max_tokens=rollout.max_tokens,
                         seed=config.seed)
-        engine = dict(name=config.engine.name, dtype=config.engine.dtype, max_model_len=config.engine.max_model_len)
+        engine = dict(name=config.engine.name, dtype=config.engine.dtype, max_model_len=config.engine.max_model_len,
+                      options=engine_options(config.engine))
         # A worker whose process dies is restarted by Ray with these arguments; `check_workers` then gives it
         # the current weights and version.
         worker = ray.remote(num_cpus=0, max_restarts=WORKER_RESTARTS)(RolloutWorker)
         self.workers = [worker.remote(start_dir, config.env, engine, sampling, rollout.max_total_tokens,
                                       config.seed + i, state["version"], config.agent, rollout.episode_timeout,
                                       rollout.allow_remote_images)
-                        for i in range(config.engine.workers)]
+                        for i in range(config.engine.data_parallel_size)]
         self.trainer = TrainerGroup(model_dir, start_dir, config)
         description = await _started("the trainer", self.trainer.ranks[0].describe.remote())
         phase(f"actor: {description}")

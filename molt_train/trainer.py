@@ -2,8 +2,10 @@
 
 Every call goes to all ranks at once (they run collectives together); rank 0
 sends the weights to the engines (bucketed broadcast) or returns them whole.
-The batch is packed into micro-batches by token budget and dealt to the ranks
-in equal numbers; the ranks' step statistics are combined as each declares.
+The batch is packed into micro-batches by token budget and dealt to the
+data-parallel replicas in equal numbers (the tensor- and context-parallel
+ranks of a replica get the same ones); the replicas' step statistics are
+combined as each declares.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ class TrainerGroup:
         """Ranks that train from the weights in `start_dir` (the model, or a checkpoint's policy when
         resuming), with the run's model in `model_dir` as the KL reference."""
         self.world_size = config.actor.world_size
+        # Ranks in a row share one model replica (tensor / context parallel) and its micro-batches.
+        self.data_parallel = config.actor.data_parallel
+        self.replica_ranks = config.actor.world_size // self.data_parallel
         self.micro_batch_tokens, self.updates = config.train.micro_batch_tokens, config.train.updates_per_batch
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         gpus = 1 if _cuda() else 0
@@ -38,10 +43,11 @@ class TrainerGroup:
 
     async def step(self, items: list[TrainItem]) -> StepStats:
         """One optimizer step (or `updates_per_batch` of them) on `items`; the statistics of the whole group."""
-        shares = deal(pack(items, self.micro_batch_tokens), self.world_size)
+        shares = deal(pack(items, self.micro_batch_tokens), self.data_parallel)
         step_tokens = sum(sum(item.mask) for item in items)
-        return StepStats.reduce(await _gather([rank.step.remote(share, step_tokens, self.updates)
-                                               for rank, share in zip(self.ranks, shares)]))
+        stats = await _gather([rank.step.remote(shares[index // self.replica_ranks], step_tokens, self.updates)
+                               for index, rank in enumerate(self.ranks)])
+        return StepStats.reduce(stats[::self.replica_ranks])  # one rank per replica: its tokens counted once
 
     async def weights(self) -> dict:
         return (await _gather([rank.full_weights.remote(for_sync=True) for rank in self.ranks]))[0]

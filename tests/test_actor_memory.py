@@ -19,6 +19,7 @@ import socket
 import numpy as np
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -49,13 +50,22 @@ def _micro_batch(vocab: int, routes_shape: tuple[int, int, int] | None = None):
     return mb
 
 
-def _rank(model_dir, entropy_coef: float = 0.0, **actor) -> PolicyRank:
+def _rank(model_dir, entropy_coef: float = 0.0, train: TrainConfig | None = None, start_dir=None,
+          **actor) -> PolicyRank:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    train = TrainConfig(lr=LR, lr_schedule="constant", grad_clip=1e9)
-    return PolicyRank(str(model_dir), str(model_dir), 0, 1, f"tcp://127.0.0.1:{port}", train,
+    train = train or TrainConfig(lr=LR, lr_schedule="constant", grad_clip=1e9)
+    return PolicyRank(str(model_dir), str(start_dir or model_dir), 0, 1, f"tcp://127.0.0.1:{port}", train,
                       AlgoConfig(kl_coef=0.0, entropy_coef=entropy_coef), ActorConfig(**actor), steps=1)
+
+
+def _batch_for(rank: PolicyRank):
+    """The test micro-batch for the rank's model; for a MoE with routes to replay."""
+    config, routes_shape = rank.model.config, None
+    if rank.routing is not None:
+        routes_shape = (len(rank.routing.routers), rank.routing.routers[0].top_k, config.num_experts)
+    return _micro_batch(config.vocab_size, routes_shape)
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -90,10 +100,7 @@ def _run(model_dir, entropy_coef: float = 0.0, **actor) -> dict:
     rank = _rank(model_dir, entropy_coef, **actor)
     try:
         config = rank.model.config
-        routes_shape = None
-        if rank.routing is not None:
-            routes_shape = (len(rank.routing.routers), rank.routing.routers[0].top_k, config.num_experts)
-        mb = _micro_batch(config.vocab_size, routes_shape)
+        mb = _batch_for(rank)
         names = {id(p): _clean(name) for name, p in rank.model.named_parameters()}
         grads = {}
         rank.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: grads.update(
@@ -186,6 +193,106 @@ def test_full_offload_keeps_optimizer_state_on_host_and_equal_results(dense_dir)
     assert worst <= 1e-6
 
 
+# Warmup then decay, decoupled weight decay and a clip below the gradients' norm: each acts at every step.
+OFFLOAD_TRAIN = TrainConfig(lr=1e-4, lr_schedule="linear", warmup_steps=2, weight_decay=0.1, grad_clip=0.005)
+
+
+def _optimizer_states(rank: PolicyRank) -> dict[str, dict[str, torch.Tensor]]:
+    """Every trained parameter's optimizer state tensors (a copy), by parameter name."""
+    names = {id(p): _clean(name) for name, p in rank.model.named_parameters()}
+    return {names[id(p)]: {key: value.detach().clone() for key, value in state.items() if torch.is_tensor(value)}
+            for p, state in rank.optimizer.state.items()}
+
+
+def _steps(rank: PolicyRank, mb, prepared: list[dict], steps: int) -> list:
+    """`steps` optimizer steps on one micro-batch against the same old logprobs (PPO epochs), so that the
+    loss after the first step depends on the updated weights."""
+    return [rank.train([mb], prepared, step_tokens=int(mb.mask.sum())) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_optimizer_offload_keeps_adam_state_on_host_and_equal_results(dense_dir, param_dtype):
+    """Three steps with the AdamW states and master weights on the host (`--actor.offload optimizer`)
+    against AdamW beside the parameters, with the lr schedule, weight decay and clipping acting."""
+    runs = {}
+    for offload in ("none", "optimizer"):
+        rank = _rank(dense_dir, train=OFFLOAD_TRAIN, offload=offload, param_dtype=param_dtype)
+        try:
+            mb = _batch_for(rank)
+            stats = _steps(rank, mb, rank.logprobs([mb]), steps=3)
+            params = {_clean(name): p for name, p in rank.model.named_parameters()}
+            runs[offload] = {"losses": [s.loss_sum for s in stats], "grad_norms": [s.grad_norm for s in stats],
+                             "weights": rank.full_weights(), "states": _optimizer_states(rank),
+                             "state_types": {type(v) for s in rank.optimizer.state.values() for v in s.values()
+                                             if torch.is_tensor(v) and v.dim() > 0},
+                             "param_types": {type(p) for p in params.values()},
+                             "shard_shapes": {name: p.to_local().shape for name, p in params.items()},
+                             "devices": {p.device for p in params.values()} | {rank.device},
+                             "lr": rank.optimizer.param_groups[0]["lr"]}
+        finally:
+            rank.close()
+    plain, offloaded = runs["none"], runs["optimizer"]
+    # Parameters stay the FSDP2 DTensors on the training device; only the optimizer's tensors move.
+    assert plain["param_types"] == offloaded["param_types"] == {DTensor}
+    assert len(offloaded["devices"]) == 1
+    assert plain["state_types"] == {DTensor}  # beside the parameters, sharded like them
+    assert offloaded["state_types"] == {torch.Tensor}  # plain tensors in host memory: this rank's shards
+    for name, state in offloaded["states"].items():
+        assert set(state) == {"step", "master", "exp_avg", "exp_avg_sq"}
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            assert state[key].device == torch.device("cpu") and state[key].dtype == torch.float32
+            assert state[key].shape == offloaded["shard_shapes"][name]
+            assert state[key].is_pinned() == torch.cuda.is_available()
+    # The clip and the schedule acted: the gradients were longer than the clip, the lr reached its end.
+    assert min(plain["grad_norms"]) > OFFLOAD_TRAIN.grad_clip
+    assert plain["lr"] == offloaded["lr"] == pytest.approx(OFFLOAD_TRAIN.lr * OFFLOAD_TRAIN.min_lr_ratio)
+    loss = max(abs(a - b) / abs(b) for a, b in zip(offloaded["losses"], plain["losses"]))
+    weights = max(float((offloaded["weights"][k] - plain["weights"][k]).abs().max()) for k in plain["weights"])
+    moments = max(float((offloaded["states"][k][m] - _full(plain["states"][k][m]).cpu()).abs().max())
+                  for k in plain["states"] for m in ("exp_avg", "exp_avg_sq"))
+    print(f"offload optimizer vs none ({param_dtype}, 3 steps): losses {offloaded['losses']} vs {plain['losses']} "
+          f"(max relative difference {loss:.2e}); weights max abs difference {weights:.2e}; AdamW moments "
+          f"{moments:.2e}; gradient norms {plain['grad_norms']} clipped to {OFFLOAD_TRAIN.grad_clip}")
+    assert len(set(plain["losses"])) == 3, "the loss should change as the weights do"
+    assert loss <= 1e-6 and weights <= 1e-6 and moments <= 1e-6
+
+
+def test_optimizer_offload_checkpoint_restores_the_host_state(dense_dir, tmp_path):
+    """Save after one step; a run resumed from the checkpoint has the same AdamW state (on the host with
+    offload, beside the parameters without: the format is torch's either way) and takes the same second
+    step as the run that went on."""
+    rank = _rank(dense_dir, train=OFFLOAD_TRAIN, offload="optimizer")
+    try:
+        mb = _batch_for(rank)
+        prepared = rank.logprobs([mb])
+        _steps(rank, mb, prepared, steps=1)
+        rank.save(str(tmp_path))
+        saved = _optimizer_states(rank)
+        _steps(rank, mb, prepared, steps=1)
+        continued = rank.full_weights()
+    finally:
+        rank.close()
+    for offload in ("optimizer", "none"):
+        resumed = _rank(dense_dir, train=OFFLOAD_TRAIN, start_dir=tmp_path / "policy", offload=offload)
+        try:
+            resumed.restore(str(tmp_path))
+            restored = _optimizer_states(resumed)
+            _steps(resumed, mb, prepared, steps=1)
+            weights = resumed.full_weights()
+        finally:
+            resumed.close()
+        assert restored.keys() == saved.keys()
+        keys = ("step", "exp_avg", "exp_avg_sq") + (("master",) if offload == "optimizer" else ())
+        state = max(float((_full(restored[k][key]).cpu() - saved[k][key]).abs().max()) for k in saved for key in keys)
+        after = max(float((weights[k] - continued[k]).abs().max()) for k in continued)
+        print(f"offload optimizer checkpoint resumed with offload {offload}: restored state max abs difference "
+              f"{state:.2e}; weights after the next step {after:.2e}")
+        assert state == 0 and after <= 1e-6
+        if offload == "optimizer":
+            assert all(type(value) is torch.Tensor and value.device == torch.device("cpu")
+                       for tensors in restored.values() for value in tensors.values())
+
+
 @pytest.fixture(scope="module")
 def large_vocab_dir(tmp_path_factory):
     """A Qwen3 with a 50k vocabulary and a 64-wide body: its logits dwarf its activations."""
@@ -222,11 +329,13 @@ def test_chunked_logprobs_equal_unchunked_without_whole_logits(large_vocab_dir):
      {"backend": "automodel", "param_dtype": "bfloat16", "world_size": 2}),
     ({"backend": "automodel", "offload": "full"}, "actor.offload",
      {"backend": "automodel", "offload": "full", "world_size": 2}),
+    ({"backend": "automodel", "offload": "full"}, "actor.offload", {"backend": "automodel", "offload": "optimizer"}),
     ({"backend": "automodel", "activation_checkpointing": "selective"}, "actor.activation_checkpointing",
      {"activation_checkpointing": "selective"})])
 def test_combinations_that_cannot_run_are_refused_naming_the_flag(refused, flag, runs):
     """AutoModel's parallelizers leave a single data-parallel rank unsharded, so FSDP's mixed precision and
-    offload policies would silently not apply; its checkpointing is all blocks or none."""
+    offload policies would silently not apply (the host optimizer steps plain tensors as well); its
+    checkpointing is all blocks or none."""
     from molt_train.config import Config, ConfigError, validate
 
     with pytest.raises(ConfigError, match=flag):

@@ -45,9 +45,9 @@ def _rank_step(rank: int, model_dir: str, backend: str, init_method: str, out_pa
     if backend == "fsdp2":
         model = fsdp.shard_model(_load(model_dir))
     elif backend == "automodel-native":
-        model = automodel.shard_model(automodel.load_native(model_dir), data_parallel=WORLD)
+        model = automodel.shard_model(automodel.load_native(model_dir))
     else:
-        model = automodel.shard_model(_load(model_dir), data_parallel=WORLD)
+        model = automodel.shard_model(_load(model_dir))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     ids = _batch(model.config.vocab_size).chunk(WORLD)[rank]  # each rank its share of the batch
     _loss(model, ids).backward()  # FSDP averages gradients over ranks = gradient of the batch mean

@@ -38,11 +38,15 @@ from molt_agents.engines.base import SamplingParams
 from molt_agents.engines.stepped import Progress, SteppedEngine
 
 
-def _configure_vllm_env() -> None:
+def _configure_vllm_env(tensor_parallel_size: int) -> None:
     # Read by vLLM when the engine is built; an explicit user setting wins.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the CPU default takes far more
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if tensor_parallel_size > 1:
+        # vllm-cpu binds each rank's threads to a NUMA node of its own and refuses more ranks than nodes;
+        # unbound, the ranks share the node's cores like every other process of the run.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
 def _config(model: str | Path) -> dict:
@@ -91,13 +95,19 @@ class VLLMEngine(SteppedEngine):
     """An `Engine` over vLLM's in-process `LLMEngine`.
 
     `engine_args` go to `vllm.EngineArgs` unchanged (e.g. `gpu_memory_utilization`,
-    `tensor_parallel_size`), overriding the defaults chosen here.
+    `kv_cache_dtype`), overriding the defaults chosen here. With `tensor_parallel_size` > 1 the engine's
+    ranks are processes of vLLM's multiprocessing executor on this node; the engine core stays in this
+    process and a weight update reaches every rank, whose weight loaders take their slice of each tensor.
     """
 
     def __init__(self, model: str | Path, *, dtype: str = "float32", seed: int = 0,
-                 max_model_len: int = 4096, **engine_args):
-        _configure_vllm_env()
+                 max_model_len: int = 4096, tensor_parallel_size: int = 1, **engine_args):
         import torch
+
+        if engine_args.get("enable_expert_parallel") and not torch.cuda.is_available():
+            raise ValueError("enable_expert_parallel needs CUDA: vllm-cpu's expert-parallel MoE kills its worker "
+                             "processes (measured on vllm-cpu 0.32); serve the experts tensor parallel instead")
+        _configure_vllm_env(tensor_parallel_size)
         from vllm import EngineArgs, LLMEngine
 
         from molt_agents.multimodal import ImageLimits
@@ -108,7 +118,8 @@ class VLLMEngine(SteppedEngine):
             dtype=dtype,
             seed=seed,
             max_model_len=max_model_len,
-            distributed_executor_backend="uni",
+            tensor_parallel_size=tensor_parallel_size,
+            distributed_executor_backend="uni" if tensor_parallel_size == 1 else "mp",
             enforce_eager=not torch.cuda.is_available(),
             # On CPU, a seeded request whose prefill is split across steps crashes vLLM
             # ("CPU Generator does not use offset"); whole prefills avoid it.
@@ -117,6 +128,7 @@ class VLLMEngine(SteppedEngine):
             disable_log_stats=True,
             enable_return_routed_experts=torch.cuda.is_available() and _is_moe(config),
         )
+        self._ranks_in_process = tensor_parallel_size == 1
         self._vision = "vision_config" in config
         self._moe_on_cpu = _is_moe(config) and not torch.cuda.is_available()
         if self._vision:
@@ -211,10 +223,14 @@ class VLLMEngine(SteppedEngine):
         self._engine.abort_request(request_ids)
 
     def _backend_reload(self, named_tensors):
+        # One reload takes the whole model (it completes fused layers as their parts arrive). Ranks in other
+        # processes get it as a message, so there it is gathered first, on the host.
+        weights = iter(named_tensors) if self._ranks_in_process else [
+            (name, tensor.cpu()) for name, tensor in named_tensors]
         if self._moe_on_cpu:
-            self._engine.collective_rpc(_reload_and_prepack_experts, args=(iter(named_tensors),))
+            self._engine.collective_rpc(_reload_and_prepack_experts, args=(weights,))
         else:
-            self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+            self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if self._vision:
             # The worker dropped the image embeddings that the old weights computed, but the scheduler still
             # counts on them ("Encoder cache miss"): make it forget them too. No request in flight needs one

@@ -10,7 +10,10 @@ transformers class sharded by AutoModel's FSDP2 parallelizer.
 
 Both run on CPU over gloo, so the same code path is tested here: the native
 classes with AutoModel's plain-torch kernels (SDPA attention, per-expert
-loop, DTensor dispatch), the ones that run everywhere. On CUDA machines
+loop, DTensor dispatch), the ones that run everywhere; so do tensor
+parallel (transformers' plans) and expert parallel (AutoModel's own MoE
+classes) on AutoModel's device mesh. Context parallel needs CUDA and is
+refused (`check_parallel`). On CUDA machines
 `nemo-automodel` cannot share an environment with vLLM (conflicting
 `quack-kernels` pins): there it runs in the trainer's own environment.
 """
@@ -106,35 +109,80 @@ def native_logits(model: nn.Module, input_ids: torch.Tensor, position_ids: torch
     return getattr(out, "logits", out)
 
 
-def shard_model(model: nn.Module, data_parallel: int, tensor_parallel: int = 1,
-                param_dtype: torch.dtype | None = None, activation_checkpointing: bool = False,
-                offload: bool = False) -> nn.Module:
-    """Shard `model` over this process group with AutoModel's parallelizer: its MoE one for its own
-    models, `fsdp2_strategy_parallelize` for transformers models.
+def device_mesh(tensor_parallel: int = 1, context_parallel: int = 1, expert_parallel: int = 1):
+    """AutoModel's `MeshContext` over this process group: the device mesh (pp, dp_replicate, dp_shard, cp,
+    tp; the data-parallel size is what the world size leaves) and, with `expert_parallel`, the expert mesh
+    (ep_shard, ep) folded into the same ranks."""
+    from nemo_automodel.components.distributed.config import FSDP2Config
+    from nemo_automodel.components.distributed.mesh import MeshContext, ParallelismSizes
+
+    return MeshContext.build(FSDP2Config(), ParallelismSizes(tp_size=tensor_parallel, cp_size=context_parallel,
+                                                             ep_size=expert_parallel))
+
+
+def shard_model(model: nn.Module, mesh=None, param_dtype: torch.dtype | None = None,
+                activation_checkpointing: bool = False, offload: bool = False) -> nn.Module:
+    """Shard `model` over `mesh` (a `device_mesh`; default: data parallel over every rank) with AutoModel's
+    parallelizers: its MoE one for its own models (which spreads the experts over the expert mesh),
+    `fsdp2_strategy_parallelize` (tensor parallel, then FSDP2) for transformers models.
 
     Parameters are computed in `param_dtype` (default: the model's own dtype;
     AutoModel's default would be bfloat16) and gradients reduced in fp32;
     `activation_checkpointing` recomputes each block in backward, `offload`
     keeps the shards on the host (FSDP2's `CPUOffloadPolicy`).
     """
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    mesh = init_device_mesh(device, (1, data_parallel, tensor_parallel),
-                            mesh_dim_names=("dp_replicate", "dp_shard_cp", "tp"))
+    mesh = mesh or device_mesh()
+    check_parallel(model, mesh.cp_size, mesh.ep_size)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype or next(model.parameters()).dtype,
                                   reduce_dtype=torch.float32, output_dtype=torch.float32)
     offload_policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else None
     if is_native(model):
         from nemo_automodel.components.moe.parallelizer import parallelize_model
 
-        model.to(device)
-        parallelize_model(model, mesh, None, dp_axis_names=("dp_shard_cp",), tp_axis_name="tp",
-                          mp_policy=policy, offload_policy=offload_policy, reshard_after_forward=True,
-                          activation_checkpointing=activation_checkpointing)
+        model.to("cuda" if torch.cuda.is_available() else "cpu")
+        parallelize_model(model, mesh.device_mesh, mesh.moe_mesh, mp_policy=policy, offload_policy=offload_policy,
+                          reshard_after_forward=True, activation_checkpointing=activation_checkpointing,
+                          **mesh.parallelize_axis_kwargs())
         return model
     from nemo_automodel.components.distributed.parallelizer import fsdp2_strategy_parallelize
 
-    return fsdp2_strategy_parallelize(model, mesh, mp_policy=policy, offload_policy=offload_policy,
+    return fsdp2_strategy_parallelize(model, mesh.device_mesh, mp_policy=policy, offload_policy=offload_policy,
                                       activation_checkpointing=activation_checkpointing)
+
+
+def clip_gradients(model: nn.Module, mesh, max_norm: float) -> torch.Tensor:
+    """The optimizer boundary as AutoModel's own training loop takes it: gradients of weights replicated
+    over tensor-parallel ranks reduced once, expert gradients (summed over the ranks that sent tokens,
+    where FSDP averages the rest) divided back, then the global norm over every mesh clipped to `max_norm`.
+    Returns the norm."""
+    from nemo_automodel.components.distributed.mesh_utils import get_flat_mesh
+    from nemo_automodel.components.distributed.tp_replicas import synchronize_tp_replica_gradients
+    from nemo_automodel.components.training.utils import (
+        get_expert_tp_replication_factor,
+        scale_grads_and_clip_grad_norm,
+    )
+
+    synchronize_tp_replica_gradients([model], mesh.device_mesh)
+    return scale_grads_and_clip_grad_norm(
+        max_norm, [model], device_mesh=mesh.device_mesh, moe_mesh=mesh.moe_mesh,
+        ep_axis_name="ep" if mesh.moe_mesh is not None else None,
+        dp_group_size=get_flat_mesh(mesh.device_mesh, "dp_cp").size(),
+        expert_tp_replication_factor=get_expert_tp_replication_factor([model], mesh.device_mesh))
+
+
+def check_parallel(model: nn.Module, context_parallel: int, expert_parallel: int) -> None:
+    """Refuse, naming the flag, the parallelisms this actor cannot run with AutoModel here."""
+    if context_parallel > 1 and not torch.cuda.is_available():
+        raise ValueError("--actor.context_parallel: NeMo AutoModel's context parallel needs CUDA (torch's ring "
+                         "attention has no sharding rule for the CPU attention kernel, "
+                         "aten._scaled_dot_product_flash_attention_for_cpu; AutoModel's own MoE classes need "
+                         "Transformer Engine); use 1 on CPU")
+    if context_parallel > 1:
+        raise ValueError("--actor.context_parallel: Molt's actor does not split its packed micro-batches over "
+                         "context-parallel ranks yet (AutoModel does it for packed sequences only through "
+                         "Transformer Engine's THD attention); use 1")
+    if expert_parallel > 1 and not is_native(model):
+        raise ValueError(f"--actor.expert_parallel: NeMo AutoModel has no MoE class of its own for "
+                         f"{type(model).__name__}, and only its own classes spread their experts; use 1")

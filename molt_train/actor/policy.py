@@ -27,6 +27,7 @@ import torch
 
 from molt_agents.engines.hf_engine import as_model_input, load_model
 from molt_train.actor import automodel, fsdp
+from molt_train.actor.host_adamw import HostAdamW
 from molt_train.actor.routing_replay import RoutingReplay, freeze_routers, moe_routers
 from molt_train.algorithms.advantages import kl_penalized_advantages
 from molt_train.algorithms.losses import entropy_from_logits, gspo_loss, kl, ppo_clip_loss
@@ -113,6 +114,7 @@ def token_logprobs(model, mb: MicroBatch, with_entropy: bool = False, chunk_toke
             images = {name: as_model_input(tensor, model) for name, tensor in (mb.images or {}).items()}
             out = model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None], use_cache=False,
                         **images).logits
+    out = _full_tensor(out)  # tensor parallel: the logits come sharded on the vocabulary
     columns = out[0] if chunk_tokens else _per_token(out[0, :-1], targets, with_entropy)
     starts = mb.position_ids[1:] == 0  # the first token of a packed sequence has no prediction
     logprobs = torch.cat([columns.new_zeros(1), torch.where(starts, 0.0, columns[:, 0])])
@@ -161,7 +163,7 @@ class PolicyRank:
         """The policy starts from the weights in `start_dir` (the run's model, or a checkpoint's policy when
         resuming); the reference model of the KL penalty is always the run's model in `model_dir`."""
         torch.manual_seed(seed)
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.data_parallel = rank, world_size, actor.data_parallel
         self.train_config, self.algo = train, algo
         self.chunk_tokens = actor.logprob_chunk_tokens
         self.device = fsdp.init_process_group(rank, world_size, init_method)
@@ -173,14 +175,17 @@ class PolicyRank:
         origin = "NeMo AutoModel's own" if automodel.is_native(model) else "transformers'"
         self.description = f"{origin} {type(model).__name__} on {world_size} {actor.backend} rank(s)"
         self.frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+        self.mesh = (automodel.device_mesh(actor.tensor_parallel, actor.context_parallel, actor.expert_parallel)
+                     if actor.backend == "automodel" else None)
         self.model = self._shard(model, actor)
         self.reference = None
         if algo.kl_coef > 0:  # forwards only: nothing to recompute
             self.reference = self._shard(self._load(model_dir, actor.backend),
                                          replace(actor, activation_checkpointing="none"))
             self.reference.requires_grad_(False)
-        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=train.lr,
-                                           weight_decay=train.weight_decay)
+        adamw = HostAdamW if actor.offload == "optimizer" else torch.optim.AdamW
+        self.optimizer = adamw([p for p in self.model.parameters() if p.requires_grad], lr=train.lr,
+                               weight_decay=train.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(
             lr_factor, warmup_steps=train.warmup_steps, total_steps=steps * train.updates_per_batch,
             schedule=train.lr_schedule, min_ratio=train.min_lr_ratio))
@@ -205,7 +210,7 @@ class PolicyRank:
         dtype, offload = getattr(torch, actor.param_dtype), actor.offload == "full"
         checkpoint_every = {"none": 0, "full": 1, "selective": 2}[actor.activation_checkpointing]
         if actor.backend == "automodel":  # selective is refused there by `validate`
-            return automodel.shard_model(model, data_parallel=self.world_size, param_dtype=dtype,
+            return automodel.shard_model(model, self.mesh, param_dtype=dtype,
                                          activation_checkpointing=checkpoint_every == 1, offload=offload)
         return fsdp.shard_model(model, param_dtype=dtype, checkpoint_every=checkpoint_every, offload=offload)
 
@@ -253,8 +258,9 @@ class PolicyRank:
         stats = StepStats(tokens=int(sum(mb.mask.sum() for mb in micro_batches)),
                           entropy_sum=0.0 if algo.entropy_coef > 0 else None,
                           kl_sum=0.0 if self.reference is not None else None)
-        # Token-level aggregation over the optimizer step; FSDP averages over ranks, so scale back up.
-        scale = self.world_size * updates / max(step_tokens, 1)
+        # Token-level aggregation over the optimizer step; FSDP averages over the data-parallel ranks, so
+        # scale back up (tensor- and context-parallel ranks hold the same micro-batches).
+        scale = self.data_parallel * updates / max(step_tokens, 1)
         for update in range(updates):
             for mb, p in zip(micro_batches[update::updates], prepared[update::updates]):
                 with self._routes(mb):
@@ -285,7 +291,8 @@ class PolicyRank:
                 stats.loss_sum += float(loss.detach())
                 stats.clipped_tokens += float(clipped) * float(mask.sum())
                 stats.kept_tokens += int(mask.sum())
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_config.grad_clip)
+            norm = (automodel.clip_gradients(self.model, self.mesh, self.train_config.grad_clip) if self.mesh
+                    else torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_config.grad_clip))
             stats.grad_norm += float(_full_tensor(norm)) / updates
             self.optimizer.step()
             self.scheduler.step()

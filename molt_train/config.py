@@ -170,6 +170,11 @@ class ActorConfig:
     """Compute token logprobs and entropies this many positions at a time (the output head and the
     log-softmax per chunk, recomputed in backward), so a micro-batch's [tokens, vocab] logits never
     exist whole; for large vocabularies, e.g. 1024. 0: all positions at once."""
+    colocate: bool = False
+    """GPU only: trainer ranks and engines share the GPUs (engine replica i on rank i's GPU), the engines
+    sleeping (vLLM sleep mode frees their weights and KV cache) while the trainer steps. Needs
+    --train.async_queue_size 0, --train.weight_sync object_store, --engine.tensor_parallel_size 1 and
+    --engine.data_parallel_size equal to --actor.world_size."""
     offload: Literal["none", "optimizer", "full"] = "none"
     """optimizer: the sharded parameters and gradients stay on the device, AdamW's states and fp32 master
     weights live in host memory (ZeRO-Offload: gradient shards go to the host, AdamW steps on the CPU, the
@@ -263,6 +268,8 @@ def validate(config: Config) -> None:
     need(config.rollout.group_size >= 1, "rollout.group_size", "must be >= 1")
     need(config.rollout.groups_per_step >= 1, "rollout.groups_per_step", "must be >= 1")
     need(config.rollout.max_tokens >= 1, "rollout.max_tokens", "must be >= 1")
+    if config.actor.colocate:
+        _validate_colocate(config, need)
     need(config.engine.max_model_len is None or config.engine.max_model_len >= 1, "engine.max_model_len",
          "must be >= 1")
     need(0 < config.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
@@ -325,3 +332,19 @@ def _validate_actor_parallel(actor: ActorConfig, need) -> None:
     need(actor.tensor_parallel == 1 or actor.logprob_chunk_tokens == 0, "actor.logprob_chunk_tokens",
          "the chunked output head does not take a tensor-parallel (vocabulary-sharded) one: use 0 with "
          "--actor.tensor_parallel > 1")
+
+
+def _validate_colocate(config: Config, need) -> None:
+    """Colocated engines sleep while the trainer steps: nothing may generate then, and the weights cannot
+    travel on NCCL between two processes of one GPU (NCCL refuses a duplicate GPU)."""
+    flag = "actor.colocate"
+    need(config.engine.name == "vllm", flag, "needs --engine.name vllm (its sleep mode frees the GPU)")
+    need(config.train.async_queue_size == 0, flag, "engines sleep while the trainer steps: needs "
+         "--train.async_queue_size 0")
+    need(config.train.weight_sync == "object_store", flag, "NCCL cannot broadcast between two processes on "
+         "one GPU: needs --train.weight_sync object_store")
+    need(config.engine.tensor_parallel_size == 1, flag, "places one engine rank per trainer GPU: needs "
+         "--engine.tensor_parallel_size 1")
+    need(config.engine.data_parallel_size == config.actor.world_size, flag,
+         f"one engine per trainer GPU: needs --engine.data_parallel_size {config.actor.world_size} "
+         "(= --actor.world_size)")

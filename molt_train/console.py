@@ -62,7 +62,9 @@ class StartupError(RuntimeError):
 
 def cause(error: BaseException) -> str:
     """One line: the original exception behind `error`, also when it crossed a Ray actor."""
-    if isinstance(error, StartupError):
+    from molt_train.config import ConfigError
+
+    if isinstance(error, (StartupError, ConfigError)):
         return str(error)
     original = getattr(error, "cause", None)  # a Ray task error carries the exception it wraps
     if isinstance(original, BaseException):

@@ -49,10 +49,14 @@ async def train(config, run_dir: Path, model_dir: str, console: Console) -> None
                 progress.write(f"molt-train: step {step + 1}: an episode failed and was dropped:\n{example}",
                                file=console.terminal)
             started = time.perf_counter()
+            if config.actor.colocate:  # the engines' GPU memory goes to the trainer for the step
+                await runtime.sleep_engines()
             if items:
                 stats |= _train_stats(await runtime.trainer.step(items))
             else:  # every group filtered or dropped: nothing to learn from this step
                 stats |= dict.fromkeys(TRAIN_KEYS)
+            if config.actor.colocate:
+                await runtime.wake_engines()
             trained = time.perf_counter() - started
 
             started = time.perf_counter()

@@ -159,6 +159,13 @@ class RolloutWorker:
         finally:
             await self.engine.resume()
 
+    async def sleep(self) -> None:
+        """Free the engine's GPU memory (colocated with the trainer); nothing is in flight then."""
+        await self.engine.sleep()
+
+    async def wake(self) -> None:
+        await self.engine.wake()
+
     def instance(self) -> str:
         return self.id
 

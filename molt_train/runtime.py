@@ -1,8 +1,8 @@
 """The Ray runtime behind the loop: rollout workers, the trainer group, the weight sync.
 
-Local `ray.init` by default, or `--ray.address` to join a cluster. Actors ask
-for no CPUs (the engine and the trainer ranks share the machine; placement
-is explicit through `engine.data_parallel_size` and `actor.world_size`).
+Local `ray.init` by default, or `--ray.address` to join a cluster. Every
+engine replica and trainer rank goes into a placement group reserved first
+(`placement`); the start-up report says which node each landed on.
 
 Weight sync (pause, load, version + 1, resume, between two engine steps):
 by default the trainer broadcasts the weights in buckets on a channel of its
@@ -20,12 +20,15 @@ the dead process). A trainer rank that dies ends the run, which
 from __future__ import annotations
 
 import asyncio
+import os
 
 import ray
 
 from molt_train.console import StartupError, cause
 from molt_train.rollout import GroupStream, RolloutWorker
+from molt_train.placement import Placement
 from molt_train.trainer import TrainerGroup
+from molt_train.trainer import rendezvous as trainer_rendezvous
 
 WORKER_RESTARTS = 4  # per worker, over the run
 
@@ -53,8 +56,26 @@ async def _instance(worker, restart_timeout: float = 600.0) -> str:
             await asyncio.sleep(1.0)
 
 
-def engine_options(engine) -> dict:
-    """The serving flags of `engine` (an EngineConfig) as the vLLM engine's arguments; none for hf."""
+def local_cpus(config) -> int:
+    """CPUs of a local Ray: --ray.num_cpus, or all, and at least one per process the run places."""
+    processes = (config.engine.data_parallel_size * config.engine.tensor_parallel_size + config.actor.world_size)
+    return config.ray.num_cpus or max(os.cpu_count() or 1, processes)
+
+
+def _describe(nodes: dict[str, list[str]]) -> str:
+    """`placement.nodes()` in one line: which node (numbered in order of first use) each process is on."""
+    numbers: dict[str, int] = {}
+    for node in nodes["engines"] + nodes["trainer"]:
+        numbers.setdefault(node, len(numbers))
+    def where(ids):
+        return ",".join(str(numbers[node]) for node in ids) or "-"
+    return (f"engines on node {where(nodes['engines'])}, trainer ranks on node {where(nodes['trainer'])} "
+            f"({len(numbers)} node(s))")
+
+
+def engine_options(engine, colocate: bool = False) -> dict:
+    """The serving flags of `engine` (an EngineConfig) as the vLLM engine's arguments; none for hf.
+    Colocated engines can sleep (vLLM's sleep mode, GPU only)."""
     if engine.name != "vllm":
         return {}
     options = dict(tensor_parallel_size=engine.tensor_parallel_size, enable_expert_parallel=engine.expert_parallel,
@@ -62,6 +83,8 @@ def engine_options(engine) -> dict:
                    enable_prefix_caching=engine.enable_prefix_caching, kv_cache_dtype=engine.kv_cache_dtype)
     if engine.enforce_eager is not None:
         options["enforce_eager"] = engine.enforce_eager
+    if colocate:
+        options["enable_sleep_mode"] = True
     return options
 
 
@@ -73,23 +96,26 @@ class Runtime:
         self = cls()
         self.config, self.version, self.report = config, state["version"], phase
         if not ray.is_initialized():
-            ray.init(address=config.ray.address, num_cpus=config.ray.num_cpus, include_dashboard=False,
-                     log_to_driver=True, configure_logging=False)
+            ray.init(address=config.ray.address, num_cpus=None if config.ray.address else local_cpus(config),
+                     include_dashboard=False, log_to_driver=True, configure_logging=False)
         phase(f"ray: {'joined ' + config.ray.address if config.ray.address else 'started a local instance'}")
+        self.placement = await Placement.reserve(config)  # a ConfigError names the flags
+        phase(f"placement: {_describe(self.placement.nodes())}")
         start_dir = str(resume_from / "policy") if resume_from else model_dir
         rollout = config.rollout
         sampling = dict(temperature=rollout.temperature, top_p=rollout.top_p, max_tokens=rollout.max_tokens,
                         seed=config.seed)
         engine = dict(name=config.engine.name, dtype=config.engine.dtype, max_model_len=config.engine.max_model_len,
-                      options=engine_options(config.engine))
+                      options=engine_options(config.engine, config.actor.colocate))
         # A worker whose process dies is restarted by Ray with these arguments; `check_workers` then gives it
         # the current weights and version.
-        worker = ray.remote(num_cpus=0, max_restarts=WORKER_RESTARTS)(RolloutWorker)
-        self.workers = [worker.remote(start_dir, config.env, engine, sampling, rollout.max_total_tokens,
-                                      config.seed + i, state["version"], config.agent, rollout.episode_timeout,
-                                      rollout.allow_remote_images)
+        worker = ray.remote(max_restarts=WORKER_RESTARTS)(RolloutWorker)
+        self.workers = [worker.options(**self.placement.engine(i).options()).remote(
+                            start_dir, config.env, engine, sampling, rollout.max_total_tokens, config.seed + i,
+                            state["version"], config.agent, rollout.episode_timeout, rollout.allow_remote_images)
                         for i in range(config.engine.data_parallel_size)]
-        self.trainer = TrainerGroup(model_dir, start_dir, config)
+        rendezvous = await _started("the trainer's rendezvous", trainer_rendezvous(self.placement))
+        self.trainer = TrainerGroup(model_dir, start_dir, config, self.placement, rendezvous)
         description = await _started("the trainer", self.trainer.ranks[0].describe.remote())
         phase(f"actor: {description}")
         if resume_from:
@@ -145,7 +171,17 @@ class Runtime:
                 await self._open_channel()
         self.instances = instances
 
+    async def sleep_engines(self) -> None:
+        """Colocated: free the engines' GPU memory for the trainer's step."""
+        await asyncio.gather(*(worker.sleep.remote() for worker in self.workers))
+
+    async def wake_engines(self) -> None:
+        await asyncio.gather(*(worker.wake.remote() for worker in self.workers))
+
     async def close(self) -> None:
-        await self.trainer.close()
-        for worker in self.workers:
-            ray.kill(worker)
+        try:
+            await self.trainer.close()
+        finally:
+            for worker in self.workers:
+                ray.kill(worker)
+            self.placement.remove()

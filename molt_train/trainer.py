@@ -10,35 +10,35 @@ combined as each declares.
 
 from __future__ import annotations
 
-import socket
-
 import ray
 
 from molt_train.actor.policy import PolicyRank, StepStats
 from molt_train.config import Config
 from molt_train.packing import TrainItem, deal, pack
+from molt_train.placement import Placement
+from molt_train.weight_sync import free_endpoint
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+async def rendezvous(placement: Placement) -> str:
+    """host:port for the trainer's process group: a free port on the node of rank 0's slot."""
+    host, port = await ray.remote(free_endpoint).options(**placement.trainer_rank(0).options()).remote()
+    return f"{host}:{port}"
 
 
 class TrainerGroup:
-    def __init__(self, model_dir: str, start_dir: str, config: Config):
+    def __init__(self, model_dir: str, start_dir: str, config: Config, placement: Placement, rendezvous: str):
         """Ranks that train from the weights in `start_dir` (the model, or a checkpoint's policy when
-        resuming), with the run's model in `model_dir` as the KL reference."""
+        resuming), with the run's model in `model_dir` as the KL reference; each rank in its `placement`
+        slot, meeting the others at `rendezvous` (host:port on rank 0's node, see `rendezvous`)."""
         self.world_size = config.actor.world_size
         # Ranks in a row share one model replica (tensor / context parallel) and its micro-batches.
         self.data_parallel = config.actor.data_parallel
         self.replica_ranks = config.actor.world_size // self.data_parallel
         self.micro_batch_tokens, self.updates = config.train.micro_batch_tokens, config.train.updates_per_batch
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
-        gpus = 1 if _cuda() else 0
-        actor = ray.remote(num_cpus=0, num_gpus=gpus)(PolicyRank)
-        self.ranks = [actor.remote(model_dir, start_dir, rank, self.world_size, init_method, config.train,
-                                   config.algo, config.actor, config.steps, config.seed)
+        actor = ray.remote(PolicyRank)
+        self.ranks = [actor.options(**placement.trainer_rank(rank).options()).remote(
+                          model_dir, start_dir, rank, self.world_size, f"tcp://{rendezvous}", config.train,
+                          config.algo, config.actor, config.steps, config.seed)
                       for rank in range(self.world_size)]
 
     async def step(self, items: list[TrainItem]) -> StepStats:
@@ -78,9 +78,3 @@ async def _gather(refs):
         return list(await asyncio.gather(*refs))
     except ray.exceptions.RayActorError as error:
         raise RuntimeError(f"a trainer rank's process died: {cause(error)}") from error
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()

@@ -17,10 +17,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 @pytest.fixture(scope="session")
 def ray_address():
-    """The test session's one Ray instance; `molt-train` subprocesses join it with `--ray.address`."""
+    """The test session's one Ray instance; `molt-train` subprocesses join it with `--ray.address`.
+    Its CPUs are logical: every engine and trainer rank a run places takes one, up to 4 here."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 

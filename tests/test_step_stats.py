@@ -136,7 +136,8 @@ def _step(model_dir, start_dir, items, world_size, **algo):
     """One trainer step of a fresh group of `world_size` ranks; its metrics."""
     import ray
 
-    from molt_train.trainer import TrainerGroup
+    from molt_train.placement import Placement
+    from molt_train.trainer import TrainerGroup, rendezvous
 
     config = Config(steps=1)
     config.actor.world_size = world_size
@@ -145,13 +146,15 @@ def _step(model_dir, start_dir, items, world_size, **algo):
         setattr(config.algo, key, value)
 
     async def run():
-        group = TrainerGroup(str(model_dir), str(start_dir), config)
+        placement = await Placement.reserve(config)
+        group = TrainerGroup(str(model_dir), str(start_dir), config, placement, await rendezvous(placement))
         try:
             return _train_stats(await group.step(items))
         finally:
             await group.close()
             for rank in group.ranks:
                 ray.kill(rank)
+            placement.remove()
 
     return asyncio.run(run())
 

@@ -179,30 +179,30 @@ def test_a_chat_agent_plays_the_episodes_through_the_loopback(tmp_path, ray_addr
 
 
 def test_failing_and_hanging_environments_cost_episodes_not_the_run(tmp_path, ray_address):
+    """In step 1 every third episode's environment raises; in step 2 every episode's environment hangs
+    and times out. Each costs its episodes: the run trains on what is left, or on nothing, and goes on."""
     path = tmp_path / "flaky.py"
-    path.write_text("import time\n"
+    path.write_text("import threading, time\n"
                     "from molt_env import Env\n"
                     "class Flaky(Env):\n"
-                    "    episodes = 0\n"
+                    "    episodes, counting = 0, threading.Lock()\n"
                     "    def reset(self, *, seed=None, options=None):\n"
                     "        super().reset(seed=seed)\n"
-                    "        Flaky.episodes += 1\n"
-                    "        if Flaky.episodes % 3 == 0:\n"
+                    "        with Flaky.counting:\n"
+                    "            Flaky.episodes += 1\n"
+                    "            self.episode = Flaky.episodes\n"
+                    "        if self.episode <= 16 and self.episode % 3 == 0:  # step 1: 4 groups x 4\n"
                     "            raise RuntimeError('every third episode breaks')\n"
                     "        return 'Say hi.', {}\n"
                     "    def step(self, action):\n"
-                    "        return '', 1.0, True, False, {}\n"
-                    "class Hangs(Env):\n"
-                    "    def reset(self, *, seed=None, options=None):\n"
-                    "        super().reset(seed=seed)\n"
-                    "        return 'Say hi.', {}\n"
-                    "    def step(self, action):\n"
-                    "        time.sleep(3600)\n")
+                    "        if self.episode > 16:  # step 2\n"
+                    "            time.sleep(3600)\n"
+                    "        return '', 1.0, True, False, {}\n")
     rows = _train(tmp_path / "flaky", ray_address, "--env", f"{path}:Flaky", "--steps", "2",
-                  "--rollout.max_tokens", "4", "--train.async_queue_size", "0")
+                  "--rollout.max_tokens", "4", "--rollout.episode_timeout", "5", "--train.async_queue_size", "0")
     assert [r["step"] for r in rows] == [1, 2]
-    failed = sum(r.get("episodes/failed/RuntimeError", 0) for r in rows)
-    assert failed == sum(r["episodes/failed"] for r in rows) and 2 * 4 * 4 // 3 - 1 <= failed <= 2 * 4 * 4 // 3 + 1
-    rows = _train(tmp_path / "hangs", ray_address, "--env", f"{path}:Hangs", "--steps", "1",
-                  "--rollout.max_tokens", "4", "--rollout.episode_timeout", "3", "--train.async_queue_size", "0")
-    assert rows[0]["episodes/failed/timeout"] == 16 and rows[0]["tokens/trained"] == 0
+    failed = rows[0].get("episodes/failed/RuntimeError", 0)
+    assert failed == rows[0]["episodes/failed"] and 4 * 4 // 3 - 1 <= failed <= 4 * 4 // 3 + 1
+    assert rows[0]["tokens/trained"] > 0
+    assert rows[1]["episodes/failed/timeout"] == rows[1]["episodes/failed"] == 16
+    assert rows[1]["tokens/trained"] == 0

@@ -155,6 +155,19 @@ class SteppedEngine:
     async def resume(self) -> None:
         await self._call(lambda: setattr(self, "_paused", False))
 
+    async def sleep(self) -> None:
+        """Release the device memory of the weights and the KV cache (GPU engines); `wake` takes it back."""
+        await self._call(self._backend_sleep)
+
+    async def wake(self) -> None:
+        await self._call(self._backend_wake)
+
+    def _backend_sleep(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot sleep")
+
+    def _backend_wake(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot sleep")
+
     async def update_weights(self, named_tensors) -> int:
         """Load `(hf_name, tensor)` pairs in place between two steps; returns the new version.
 

@@ -237,6 +237,12 @@ class VLLMEngine(SteppedEngine):
             # again: an image is never split across prefill chunks, and a reload happens between steps.
             self._engine.reset_encoder_cache()
 
+    def _backend_sleep(self):
+        self._engine.sleep(level=1)  # weights to host memory, KV cache dropped (needs enable_sleep_mode)
+
+    def _backend_wake(self):
+        self._engine.wake_up()
+
     def _backend_close(self):
         self._engine.engine_core.shutdown()
 

@@ -1,0 +1,129 @@
+"""Where the run's processes go on the Ray cluster: placement groups, reserved before any actor starts.
+
+Every process of the run takes one device: a GPU when the cluster has GPUs, else one CPU (a logical
+one: a local Ray that Molt starts counts at least one CPU per process it places).
+
+- An engine replica is a placement group of one bundle with its `tensor_parallel_size` devices: the
+  engine's actor and the vLLM worker processes it spawns for its ranks share one node.
+- The trainer is one placement group of `world_size` one-device bundles, packed onto as few nodes as
+  hold them (PACK). Rank r takes the r-th bundle in node order, so the ranks of one node are
+  consecutive (a tensor-parallel group, which takes consecutive ranks, stays inside a node), and the
+  rendezvous of the trainer's process group is on rank 0's node.
+- `actor.colocate` (GPU only): engine replica i shares trainer rank i's GPU, half a GPU each in Ray's
+  accounting; the engines sleep (vLLM frees their weights and KV cache) while the trainer steps.
+
+A reservation the cluster cannot hold is refused before anything starts, with what it needs and what
+the cluster has; one that is not placed within the timeout (enough devices, but not on one node) says
+so and names the flags.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from molt_train.config import Config, ConfigError
+
+PLACEMENT_TIMEOUT = 300.0  # seconds for the cluster to reserve the bundles (autoscalers may add nodes)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one actor goes: its scheduling strategy and what it asks of the bundle."""
+
+    strategy: PlacementGroupSchedulingStrategy
+    num_cpus: float
+    num_gpus: float
+
+    def options(self) -> dict:
+        return dict(scheduling_strategy=self.strategy, num_cpus=self.num_cpus, num_gpus=self.num_gpus)
+
+
+def bundles(config: Config, gpus: bool) -> tuple[list[dict], list[dict]]:
+    """The engine replicas' bundles (one each) and the trainer's (one per rank)."""
+    engine, actor = config.engine, config.actor
+    if actor.colocate:
+        return [], [{"GPU": 1, "CPU": 1}] * actor.world_size
+    per_engine = ({"GPU": engine.tensor_parallel_size, "CPU": 1} if gpus
+                  else {"CPU": engine.tensor_parallel_size})
+    per_rank = {"GPU": 1, "CPU": 1} if gpus else {"CPU": 1}
+    return [per_engine] * engine.data_parallel_size, [per_rank] * actor.world_size
+
+
+def check_fits(config: Config, engines: list[dict], trainer: list[dict], cluster: dict) -> None:
+    """Refuse a reservation larger than the cluster's totals, naming the flags that size it."""
+    for resource in ("GPU", "CPU"):
+        need = sum(bundle.get(resource, 0) for bundle in engines + trainer)
+        have = cluster.get(resource, 0)
+        if need > have:
+            e = config.engine
+            raise ConfigError(
+                f"--engine.data_parallel_size {e.data_parallel_size} x --engine.tensor_parallel_size "
+                f"{e.tensor_parallel_size} + --actor.world_size {config.actor.world_size}: the run places "
+                f"{need:g} {resource}s and the Ray cluster has {have:g}")
+
+
+def node_order(bundle_nodes: list[str]) -> list[int]:
+    """Bundle indices sorted so that bundles on one node are consecutive, nodes in order of first use."""
+    first = {}
+    for node in bundle_nodes:
+        first.setdefault(node, len(first))
+    return sorted(range(len(bundle_nodes)), key=lambda index: (first[bundle_nodes[index]], index))
+
+
+class Placement:
+    """The run's placement groups and the slot of every engine replica and trainer rank."""
+
+    @classmethod
+    async def reserve(cls, config: Config, timeout: float = PLACEMENT_TIMEOUT) -> Placement:
+        cluster = ray.cluster_resources()
+        gpus = cluster.get("GPU", 0) > 0
+        if config.actor.colocate and not gpus:
+            raise ConfigError("--actor.colocate: trainer and engines share GPUs, and this Ray cluster has none "
+                              "(on CPU they already share the cores)")
+        engines, trainer = bundles(config, gpus)
+        check_fits(config, engines, trainer, cluster)
+        self = cls()
+        self.engine_groups = [placement_group([bundle], strategy="STRICT_PACK") for bundle in engines]
+        self.trainer_group = placement_group(trainer, strategy="PACK")
+        self.groups = [*self.engine_groups, self.trainer_group]
+        try:
+            await asyncio.wait_for(asyncio.gather(*(group.ready() for group in self.groups)), timeout)
+        except asyncio.TimeoutError:
+            self.remove()
+            raise ConfigError(f"placement: the Ray cluster did not hold the run's bundles within {timeout:g} s "
+                              f"(engines: {len(engines)} x {engines[:1]}, each on one node; trainer: "
+                              f"{len(trainer)} x {trainer[:1]}); check --engine.tensor_parallel_size against the "
+                              "devices per node, and `ray status`") from None
+        table = ray.util.placement_group_table(self.trainer_group)["bundles_to_node_id"]
+        self.rank_bundles = node_order([table[index] for index in range(len(trainer))])
+        self.gpus, self.colocate = gpus, config.actor.colocate
+        return self
+
+    def engine(self, replica: int) -> Slot:
+        if self.colocate:  # on trainer rank `replica`'s GPU
+            return Slot(PlacementGroupSchedulingStrategy(self.trainer_group, self.rank_bundles[replica]), 0.5, 0.5)
+        group = self.engine_groups[replica]
+        bundle = group.bundle_specs[0]
+        return Slot(PlacementGroupSchedulingStrategy(group, 0), bundle["CPU"], bundle.get("GPU", 0))
+
+    def trainer_rank(self, rank: int) -> Slot:
+        strategy = PlacementGroupSchedulingStrategy(self.trainer_group, self.rank_bundles[rank])
+        if self.colocate:
+            return Slot(strategy, 0.5, 0.5)
+        return Slot(strategy, 1, 1 if self.gpus else 0)
+
+    def nodes(self) -> dict[str, list[str]]:
+        """Node ids of the engine replicas and the trainer ranks (rank order), for the start-up report."""
+        table = ray.util.placement_group_table
+        trainer = table(self.trainer_group)["bundles_to_node_id"]
+        return {"engines": [table(group)["bundles_to_node_id"][0] for group in self.engine_groups],
+                "trainer": [trainer[index] for index in self.rank_bundles]}
+
+    def remove(self) -> None:
+        for group in self.groups:
+            remove_placement_group(group)

@@ -25,8 +25,8 @@ import os
 import ray
 
 from molt_train.console import StartupError, cause
-from molt_train.rollout import GroupStream, RolloutWorker
 from molt_train.placement import Placement
+from molt_train.rollout import GroupStream, RolloutWorker
 from molt_train.trainer import TrainerGroup
 from molt_train.trainer import rendezvous as trainer_rendezvous
 

@@ -8,9 +8,9 @@
 #   - the bucketed NCCL weight sync with partial rollout (needs 2 GPUs: NCCL refuses two ranks on one)
 #   - vLLM's routed experts on the tiny MoE against the trainer's own top-k
 #   - NeMo AutoModel's native MoE class on CUDA, one step under routing replay
-#   - a 20-step `molt-train` with a bf16 engine on the default task; the actor in bf16 with full activation
-#     checkpointing (--actor.param_dtype bfloat16 --actor.activation_checkpointing full) when
-#     `molt-train --help` lists those flags (the report's `flags=` says which were used)
+#   - a 20-step `molt-train` on the default task, trainer and bf16 engine colocated on the one GPU
+#     (--actor.colocate: the engine sleeps while the trainer steps), the actor in bf16 with full
+#     activation checkpointing
 # Each prints PASS / FAIL / SKIP with its measured numbers; the script exits 1 if any failed.
 #
 # With a GPU (nvidia-smi sees one) it first installs the CUDA stack: MOLT_DEVICE=cuda scripts/setup.sh

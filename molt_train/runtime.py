@@ -96,7 +96,9 @@ class Runtime:
         self = cls()
         self.config, self.version, self.report = config, state["version"], phase
         if not ray.is_initialized():
-            ray.init(address=config.ray.address, num_cpus=None if config.ray.address else local_cpus(config),
+            # "local": a new instance even where `ray start` left a cluster that a bare ray.init() would join.
+            ray.init(address=config.ray.address or "local",
+                     num_cpus=None if config.ray.address else local_cpus(config),
                      include_dashboard=False, log_to_driver=True, configure_logging=False)
         phase(f"ray: {'joined ' + config.ray.address if config.ray.address else 'started a local instance'}")
         self.placement = await Placement.reserve(config)  # a ConfigError names the flags

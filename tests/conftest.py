@@ -21,7 +21,7 @@ def ray_address():
     Its CPUs are logical: every engine and trainer rank a run places takes one, up to 4 here."""
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 

@@ -20,8 +20,12 @@ from molt_train.weight_sync import free_endpoint
 
 
 async def rendezvous(placement: Placement) -> str:
-    """host:port for the trainer's process group: a free port on the node of rank 0's slot."""
-    host, port = await ray.remote(free_endpoint).options(**placement.trainer_rank(0).options()).remote()
+    """host:port for the trainer's process group: a free port on the node of rank 0's slot (found by a task
+    there, unless that node is this process's own)."""
+    if placement.nodes()["trainer"][0] == ray.get_runtime_context().get_node_id():
+        host, port = free_endpoint()
+    else:
+        host, port = await ray.remote(free_endpoint).options(**placement.trainer_rank(0).options()).remote()
     return f"{host}:{port}"
 
 

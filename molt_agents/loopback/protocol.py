@@ -197,7 +197,7 @@ def parse(model: type[Body], payload: Any) -> Body:
         first = error.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
         raise APIError(400, f"invalid '{param}': {first['msg']}", param=param) from None
-    if isinstance(request, _Request):
+    if hasattr(request, "check"):
         request.check()
     return request
 

@@ -6,6 +6,7 @@ token id, logprob and weight version is recorded behind its back:
 
     POST /s/<session>/v1/chat/completions   (stream=true as server-sent events)
     POST /s/<session>/v1/completions
+    POST /s/<session>/v1/responses          (OpenAI's Responses API, mapped onto the chat route: responses.py)
     GET  /s/<session>/v1/models
     POST /s/<session>/finish                {"reward": 1.0, "info": {...}} -> the session's trajectories
 
@@ -39,10 +40,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from molt_agents.chat_template import render_text
 from molt_agents.engines.base import SamplingParams
-from molt_agents.loopback import protocol, streaming
+from molt_agents.loopback import protocol, responses, streaming
 from molt_agents.loopback.protocol import APIError, ChatRequest, CompletionRequest
+from molt_agents.loopback.responses import ResponsesRequest
 from molt_agents.loopback.session import Session
-from molt_agents.loopback.streaming import ReplyText
+from molt_agents.loopback.streaming import ReplyText, Wire
 from molt_agents.multimodal import ImageError, ImageLimits, chat_images, for_template, is_image_part
 from molt_agents.tool_calls import parse_reply
 from molt_env.trajectory import Trajectory
@@ -73,6 +75,8 @@ class Loopback:
         self._sessions_lock = threading.Lock()
         self._server = None
         self._thread: threading.Thread | None = None
+        # Chat and text completions stream as OpenAI's chunks, ended by [DONE].
+        self._openai_wire = Wire(self._events, lambda error: streaming.event(error.body()), streaming.DONE)
         self.app = self._build_app()
 
     # ------------------------------------------------------------------
@@ -212,15 +216,27 @@ class Loopback:
         async def chat_completions(session_id: str, request: Request):
             body = protocol.parse(ChatRequest, await self._read_json(request))
             session = self._session(session_id)
-            # Decoding (or fetching) images runs off the event loop; text-only requests skip the thread hop.
-            images = await asyncio.to_thread(self._images, body.messages) if _has_images(body.messages) else []
-            try:
-                rendered = render_text(self.tokenizer, for_template(body.messages), body.tools)
-            except TemplateError as error:  # the template's own raise_exception, e.g. "roles must alternate"
-                raise APIError(400, f"the model's chat template refuses these messages: {error}",
-                               param="messages") from None
-            return await self._respond(session, lambda: session.base_for_text(rendered, images), body,
-                                       top=body.top_logprobs or 0)
+            find_base = await self._chat_base(session, body, param="messages")
+            return await self._respond(session, find_base, body, body.top_logprobs or 0, self._chat_response,
+                                       self._openai_wire)
+
+        @app.post("/s/{session_id}/v1/responses")
+        async def responses_api(session_id: str, request: Request):
+            body = protocol.parse(ResponsesRequest, await self._read_json(request))
+            session = self._session(session_id)
+            conversation = responses.conversation(body, session.conversations)
+            chat = responses.chat_request(body, conversation)
+            find_base = await self._chat_base(session, chat, param="input")
+            reply = responses.Reply(body, self.model_name)
+
+            def build(*chat_reply_args) -> dict:
+                chat_reply = self._chat_response(*chat_reply_args)
+                final = reply.response(chat_reply)
+                if body.store:  # for a later request's previous_response_id
+                    session.conversations[reply.id] = [*conversation, chat_reply["choices"][0]["message"]]
+                return final
+
+            return await self._respond(session, find_base, chat, 0, build, Wire(reply.events, reply.error))
 
         @app.post("/s/{session_id}/v1/completions")
         async def completions(session_id: str, request: Request):
@@ -230,7 +246,8 @@ class Loopback:
                 raise APIError(400, "prompt holds token ids outside the vocabulary", param="prompt")
             find_base = (lambda: session.base_for_text(body.prompt)) if isinstance(body.prompt, str) \
                 else (lambda: session.base_for_ids(body.prompt))
-            return await self._respond(session, find_base, body, top=body.logprobs or 0)
+            return await self._respond(session, find_base, body, body.logprobs or 0, self._completion_response,
+                                       self._openai_wire)
 
         @app.post("/s/{session_id}/finish")
         async def finish(session_id: str, request: Request):
@@ -244,14 +261,26 @@ class Loopback:
 
         return app
 
-    def _images(self, messages: list[dict]) -> list:
+    async def _chat_base(self, session: Session, body: ChatRequest, param: str):
+        """Render `body`'s messages and tools; returns the `find_base` that stitches them onto the session.
+        `param` names the request field an error is about."""
+        # Decoding (or fetching) images runs off the event loop; text-only requests skip the thread hop.
+        images = await asyncio.to_thread(self._images, body.messages, param) if _has_images(body.messages) else []
+        try:
+            rendered = render_text(self.tokenizer, for_template(body.messages), body.tools)
+        except TemplateError as error:  # the template's own raise_exception, e.g. "roles must alternate"
+            raise APIError(400, f"the model's chat template refuses these messages: {error}",
+                           param=param) from None
+        return lambda: session.base_for_text(rendered, images)
+
+    def _images(self, messages: list[dict], param: str) -> list:
         if self.vision is None:
             raise APIError(400, "the request has images, but this policy is not a vision-language model",
-                           param="messages", code="invalid_image")
+                           param=param, code="invalid_image")
         try:
             images = chat_images(messages, self.image_limits)
         except ImageError as error:
-            raise APIError(400, str(error), param="messages", code="invalid_image") from None
+            raise APIError(400, str(error), param=param, code="invalid_image") from None
         return images
 
     async def _read_json(self, request: Request):
@@ -269,15 +298,19 @@ class Loopback:
     # ------------------------------------------------------------------
     # Generation
 
-    async def _respond(self, session: Session, find_base, body, top: int):
-        """Sample for a chat or completion request; a stream, or the whole response."""
-        if body.stream:
-            return await self._stream(session, find_base, body, top)
-        async with session.lock:
-            return await self._generate(session, find_base, body, top)
+    async def _respond(self, session: Session, find_base, body, top: int, build, wire: Wire):
+        """Sample for a chat or completion request; a stream written by `wire`, or the whole response.
 
-    async def _generate(self, session: Session, find_base, body, top: int, on_start=None, on_tokens=None) -> dict:
-        """Sample for `body` after the segment `find_base()` picks, capture the samples and build the
+        `build(body, base, samples, stop)` makes the response once the samples are captured.
+        """
+        if body.stream:
+            return await self._stream(session, find_base, body, top, build, wire)
+        async with session.lock:
+            return await self._generate(session, find_base, body, top, build)
+
+    async def _generate(self, session: Session, find_base, body, top: int, build, on_start=None,
+                        on_tokens=None) -> dict:
+        """Sample for `body` after the segment `find_base()` picks, capture the samples and `build` the
         response; the session is unchanged on failure, so a client never sees a reply that was not captured.
 
         `on_start()` runs once the request is accepted; `on_tokens` sees tokens as they are sampled.
@@ -291,7 +324,6 @@ class Loopback:
                                code="session_not_found")
             for segment, sample in zip(session.choices(base, body.n), samples):
                 segment.append_sample(sample)
-            build = self._chat_response if isinstance(body, ChatRequest) else self._completion_response
             return build(body, base, samples, self._stop(session, body))
         except BaseException:  # a rejected, failed or abandoned request leaves no trace
             session.restore(mark)
@@ -380,14 +412,14 @@ class Loopback:
     # ------------------------------------------------------------------
     # Streaming
 
-    async def _stream(self, session: Session, find_base, body, top: int) -> StreamingResponse:
+    async def _stream(self, session: Session, find_base, body, top: int, build, wire: Wire) -> StreamingResponse:
         """Start sampling; a request rejected before sampling starts is still a plain 4xx."""
         events: asyncio.Queue = asyncio.Queue()
 
         async def produce():
             async with session.lock:
                 final = await self._generate(
-                    session, find_base, body, top, on_start=lambda: events.put_nowait(("start",)),
+                    session, find_base, body, top, build, on_start=lambda: events.put_nowait(("start",)),
                     on_tokens=lambda index, progress: events.put_nowait(("tokens", index, progress)))
             events.put_nowait(("done", final))
 
@@ -404,13 +436,43 @@ class Loopback:
             raise
         if first[0] == "error":
             raise first[1]
-        return StreamingResponse(self._events(session, body, events, task), media_type="text/event-stream")
+        written = wire.events(body, self._sampled(session, body, events))
+        return StreamingResponse(self._guarded(session, written, wire, task), media_type="text/event-stream")
 
-    async def _events(self, session: Session, body, events: asyncio.Queue, task: asyncio.Task):
+    async def _sampled(self, session: Session, body, events: asyncio.Queue):
+        """The reply as the engine samples it, for any protocol: `("text", index, progress, new_text)` per
+        batch of tokens (`new_text`: what is now safe to show), then `("done", final_response, replies)`."""
+        tools = isinstance(body, ChatRequest) and bool(body.tools) and body.tool_choice != "none"
+        replies = [ReplyText(self.tokenizer, self._stop(session, body), tools=tools) for _ in range(body.n)]
+        while True:
+            kind, *rest = await events.get()
+            if kind == "error":
+                raise rest[0]
+            if kind == "done":
+                yield "done", rest[0], replies
+                return
+            index, progress = rest
+            yield "text", index, progress, replies[index].feed(progress.token_ids)
+
+    async def _guarded(self, session: Session, written, wire: Wire, task: asyncio.Task):
+        """Send `written`; a failure becomes the stream's last event, and a client that hangs up aborts sampling."""
+        try:
+            async for event in written:
+                yield event
+        except Exception as error:  # the status was sent with the headers: the error is the last event
+            if not isinstance(error, APIError):
+                log.error("streaming a reply on session %s failed", session.id, exc_info=error)
+                error = APIError(500, f"generation failed: {error}", type="server_error")
+            yield wire.error(error)
+        finally:
+            if not task.done():  # the client hung up: abort sampling; the session is restored
+                task.cancel()
+        if wire.end:
+            yield wire.end
+
+    async def _events(self, body, sampled):
+        """Chat and text completion chunks."""
         chat = isinstance(body, ChatRequest)
-        stop = self._stop(session, body)
-        replies = [ReplyText(self.tokenizer, stop, tools=chat and bool(body.tools) and body.tool_choice != "none")
-                   for _ in range(body.n)]
         head = {"id": protocol.new_id("chatcmpl" if chat else "cmpl"),
                 "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": protocol.now(), "model": self.model_name}
@@ -424,51 +486,36 @@ class Loopback:
                 return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
-        try:
-            if chat:
-                yield chunk([piece(i, "", role="assistant") for i in range(body.n)])
-            while True:
-                kind, *rest = await events.get()
-                if kind == "tokens":
-                    index, progress = rest
-                    text = replies[index].feed(progress.token_ids)
-                    logprobs = None
-                    if (body.logprobs if chat else body.logprobs is not None):
-                        entries = self._logprobs(progress)
-                        logprobs = {"content": entries} if chat else {
-                            "tokens": [e["token"] for e in entries],
-                            "token_logprobs": [e["logprob"] for e in entries]}
-                    if text or logprobs:
-                        yield chunk([piece(index, text, logprobs)])
-                elif kind == "error":
-                    raise rest[0]
-                elif kind == "done":
-                    (final,) = rest
-                    for choice, reply in zip(final["choices"], replies):
-                        index = choice["index"]
-                        if chat:
-                            rest_text = reply.rest(choice["message"]["content"])
-                            if rest_text:
-                                yield chunk([piece(index, rest_text)])
-                            for i, call in enumerate(choice["message"].get("tool_calls", [])):
-                                yield chunk([piece(index, "", tool_calls=[{"index": i, **call}])])
-                        else:
-                            rest_text = reply.rest(choice["text"])
-                            if rest_text:
-                                yield chunk([piece(index, rest_text)])
-                        yield chunk([piece(index, "", finish_reason=choice["finish_reason"])])
-                    if body.include_usage_in_stream:
-                        yield chunk([], usage=final["usage"])
-                    break
-        except Exception as error:  # the status was sent with the headers: the error is the last event
-            if not isinstance(error, APIError):
-                log.error("streaming a reply on session %s failed", session.id, exc_info=error)
-                error = APIError(500, f"generation failed: {error}", type="server_error")
-            yield streaming.event(error.body())
-        finally:
-            if not task.done():  # the client hung up: abort sampling; the session is restored
-                task.cancel()
-        yield streaming.DONE
+        if chat:
+            yield chunk([piece(i, "", role="assistant") for i in range(body.n)])
+        async for kind, *rest in sampled:
+            if kind == "text":
+                index, progress, text = rest
+                logprobs = None
+                if (body.logprobs if chat else body.logprobs is not None):
+                    entries = self._logprobs(progress)
+                    logprobs = {"content": entries} if chat else {
+                        "tokens": [e["token"] for e in entries],
+                        "token_logprobs": [e["logprob"] for e in entries]}
+                if text or logprobs:
+                    yield chunk([piece(index, text, logprobs)])
+                continue
+            final, replies = rest
+            for choice, reply in zip(final["choices"], replies):
+                index = choice["index"]
+                if chat:
+                    rest_text = reply.rest(choice["message"]["content"])
+                    if rest_text:
+                        yield chunk([piece(index, rest_text)])
+                    for i, call in enumerate(choice["message"].get("tool_calls", [])):
+                        yield chunk([piece(index, "", tool_calls=[{"index": i, **call}])])
+                else:
+                    rest_text = reply.rest(choice["text"])
+                    if rest_text:
+                        yield chunk([piece(index, rest_text)])
+                yield chunk([piece(index, "", finish_reason=choice["finish_reason"])])
+            if body.include_usage_in_stream:
+                yield chunk([], usage=final["usage"])
 
 
 def _has_images(messages: list[dict]) -> bool:

@@ -29,6 +29,7 @@ class Session:
     finished: bool = False  # set when `Loopback.finish` claims it: a request then captures nothing more
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     vision: object | None = None  # the policy's image processor, for a vision-language model
+    conversations: dict[str, list[dict]] = field(default_factory=dict)  # stored Responses replies, by id
 
     def base_for_text(self, rendered: str, images: list = ()) -> Segment:
         """The segment to continue for a prompt that renders to `rendered` (with the conversation's `images`)."""

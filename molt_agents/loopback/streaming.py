@@ -12,6 +12,8 @@ sample is complete.
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 TOOL_CALL_OPEN = "<tool_call>"
 
@@ -53,6 +55,20 @@ class ReplyText:
         if not final.startswith(self.emitted):  # cannot happen by construction; never send a wrong prefix
             raise RuntimeError("streamed text is not a prefix of the final reply")
         return final[len(self.emitted):]
+
+
+@dataclass(frozen=True)
+class Wire:
+    """How one protocol writes a reply stream.
+
+    `events(body, sampled)` turns the sampled pieces into the protocol's events;
+    `error(api_error)` is the last event of a stream that fails after its headers
+    were sent; `end` closes every stream ("" for none).
+    """
+
+    events: Callable[..., AsyncIterator[str]]
+    error: Callable[..., str]
+    end: str = ""
 
 
 def event(payload: dict) -> str:

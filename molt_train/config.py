@@ -151,8 +151,9 @@ class ActorConfig:
     tensor_parallel: int = 1
     """Ranks that split each weight matrix (AutoModel TP; --actor.backend automodel); they see the same data."""
     context_parallel: int = 1
-    """Ranks that split each sequence (AutoModel CP; --actor.backend automodel); refused when the actor starts:
-    it needs CUDA, and the actor does not yet shard its packed micro-batches over these ranks."""
+    """Ranks that split each packed micro-batch along its tokens (AutoModel's block-diagonal CP; --actor.backend
+    automodel): each attends to the keys and values of the whole row, sequence by sequence; for long
+    sequences. Dense transformers models, text only."""
     expert_parallel: int = 1
     """Ranks over which a MoE model's experts are spread (AutoModel EP; --actor.backend automodel); it folds
     into the other ranks, so it divides world_size, and each rank keeps its own data."""

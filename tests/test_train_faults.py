@@ -69,31 +69,31 @@ def started():
 
 def test_a_killed_run_resumes_with_its_own_config(tmp_path, ray_address, started):
     out = tmp_path / "run"
-    process = _start(out, ray_address, "--seed", "2", "--steps", "4", "--ckpt.every", "2", started=started)
+    process = _start(out, ray_address, "--seed", "2", "--steps", "8", "--ckpt.every", "2", started=started)
     _wait_for(process, lambda: len(_metrics(out)) >= 3 and (out / "checkpoints/step_000002").exists(), "step 3")
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     config = (out / "config.yaml").read_text()
     before = _metrics(out)
     checkpoint = max(int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*"))
-    assert checkpoint < 4
+    assert checkpoint < 8  # killed mid-run: the resume has steps to take
 
     refused = _train(out, ray_address, "--resume", "--seed", "3", expect=1)
     assert "--seed 2 -> 3 would change what the run is" in refused
-    stdout = _train(out, ray_address, "--resume", "--steps", "5")
-    assert "seed=2" in stdout and "steps=5" in stdout and "# resumed with --steps 5 (was 4)" in stdout
+    stdout = _train(out, ray_address, "--resume", "--steps", "9")
+    assert "seed=2" in stdout and "steps=9" in stdout and "# resumed with --steps 9 (was 8)" in stdout
     # Quiet: one screen apart from the progress bar; the third-party notices are in the run's log.
     shown = [line for line in stdout.splitlines() if line.strip() and "%|" not in line]
     assert len(shown) <= 24 and not [line for line in shown if "WARNING" in line or "Warning" in line], shown
     assert "WARNING" in (out / "molt.log").read_text()
     assert (out / "config.yaml").read_text() == config  # the run's own config, never overwritten
     (change,) = [json.loads(line) for line in (out / "config_history.jsonl").read_text().splitlines()]
-    assert change["changes"] == {"steps": [4, 5]} and change["from_step"] == checkpoint
+    assert change["changes"] == {"steps": [8, 9]} and change["from_step"] == checkpoint
     rows = _metrics(out)
-    assert [r["step"] for r in rows] == list(range(1, 6))  # continued to 5, nothing logged twice
+    assert [r["step"] for r in rows] == list(range(1, 10))  # continued to 9, nothing logged twice
     trained_before = {g for r in before if r["step"] <= checkpoint for g in r["data/groups"]}
     trained_after = [g for r in rows if r["step"] > checkpoint for g in r["data/groups"]]
-    assert not set(trained_after) & trained_before and len(trained_after) == (5 - checkpoint) * 4
+    assert not set(trained_after) & trained_before and len(trained_after) == (9 - checkpoint) * 4
 
 
 def test_a_run_that_loses_a_worker_then_its_trainer_resumes_into_the_uninterrupted_run(tmp_path, ray_address,

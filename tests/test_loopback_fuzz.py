@@ -24,13 +24,14 @@ from hypothesis import strategies as st
 from molt_agents.loopback.protocol import MAX_NESTING
 
 # Per route; together about 55 s on two CPU cores, after the engine's start.
-EXAMPLES = {"models": 40, "chat": 150, "chat_stream": 100, "completions": 100, "responses": 100, "finish": 100,
-            "unknown_path": 40}
+EXAMPLES = {"models": 40, "chat": 150, "chat_stream": 100, "completions": 100, "responses": 100, "messages": 60,
+            "count_tokens": 40, "finish": 100, "unknown_path": 40}
 SMALL_CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "seed": 0}
 TOOLS = [{"type": "function", "function": {"name": "python", "parameters": {"type": "object"}}}]
 RESPONSES_TOOLS = [{"type": "function", "name": "python", "parameters": {"type": "object"}}]
-# How a 500 reads inside a stream that had already started (chat chunks; a Responses `error` event).
-SERVER_ERROR = re.compile(r'"(type|code)": "server_error"')
+ANTHROPIC_TOOLS = [{"name": "python", "input_schema": {"type": "object"}}]
+# How a 500 reads inside a stream that had already started (chat chunks; a Responses or Anthropic `error` event).
+SERVER_ERROR = re.compile(r'"(type|code)": "(server_error|api_error)"')
 
 
 # --------------------------------------------------------------------------
@@ -142,6 +143,24 @@ responses = near_valid(
     {"instructions": text, "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "stream": st.booleans(),
      "tools": st.just(RESPONSES_TOOLS), "tool_choice": st.sampled_from(["auto", "none"]), "store": st.booleans(),
      "previous_response_id": text, "user": text, "text": st.just({"format": {"type": "text"}})})
+block = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": text}),
+    st.fixed_dictionaries({"type": st.just("image"), "source": st.fixed_dictionaries(
+        {"type": st.just("base64"), "media_type": st.just("image/png"), "data": text})}),
+    st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": text, "content": text}),
+    st.fixed_dictionaries({"type": st.just("tool_use"), "id": text, "name": st.just("python"),
+                           "input": st.just({})}),
+)
+anthropic_message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]),
+                                           "content": text | st.lists(block, min_size=1, max_size=2)})
+conversation = {"model": st.just("policy"), "messages": st.lists(anthropic_message, min_size=1, max_size=3)}
+count_tokens = near_valid(conversation, {"tools": st.just(ANTHROPIC_TOOLS), "system": text})
+messages = near_valid(
+    {**conversation, "max_tokens": st.integers(1, 3)},
+    {"system": text | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}), max_size=2),
+     "temperature": st.floats(0, 1), "top_p": st.floats(0.01, 1), "stream": st.booleans(),
+     "stop_sequences": st.lists(st.text(min_size=1, max_size=4), max_size=2), "tools": st.just(ANTHROPIC_TOOLS),
+     "tool_choice": st.sampled_from([{"type": "auto"}, {"type": "none"}]), "metadata": st.just({})})
 finish = near_valid(
     {"reward": st.floats(-1e6, 1e6) | st.integers(-(10**6), 10**6)},
     {"info": st.none() | st.dictionaries(st.text(max_size=6), st.integers() | text, max_size=3)})
@@ -157,6 +176,8 @@ ROUTES = {
     "chat_stream": st.tuples(st.just("POST"), st.just("/v1/chat/completions"), chat(stream=True)),
     "completions": st.tuples(st.just("POST"), st.just("/v1/completions"), completion),
     "responses": st.tuples(st.just("POST"), st.just("/v1/responses"), responses),
+    "messages": st.tuples(st.just("POST"), st.just("/v1/messages"), messages),
+    "count_tokens": st.tuples(st.just("POST"), st.just("/v1/messages/count_tokens"), count_tokens),
     "finish": st.tuples(st.just("POST"), st.just("/finish"), finish),
     "unknown_path": st.tuples(st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH"]),
                               st.one_of(path_text.map(lambda p: "/v1/" + p), path_text.map(lambda p: "/../" + p),

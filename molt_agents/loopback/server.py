@@ -7,6 +7,8 @@ token id, logprob and weight version is recorded behind its back:
     POST /s/<session>/v1/chat/completions   (stream=true as server-sent events)
     POST /s/<session>/v1/completions
     POST /s/<session>/v1/responses          (OpenAI's Responses API, mapped onto the chat route: responses.py)
+    POST /s/<session>/v1/messages           (Anthropic's Messages API, the same way: anthropic.py; the
+    POST /s/<session>/v1/messages/count_tokens   anthropic SDK's base URL is http://127.0.0.1:PORT/s/<session>)
     GET  /s/<session>/v1/models
     POST /s/<session>/finish                {"reward": 1.0, "info": {...}} -> the session's trajectories
 
@@ -14,8 +16,9 @@ A vision-language policy (`vision`) takes images as `image_url` content parts
 with `data:` URLs (base64 PNG / JPEG / WebP / GIF); http(s) URLs are fetched
 only when `image_limits.allow_remote` is set.
 
-All routes need `Authorization: Bearer <api_key>` (a fresh key per run by
-default). Bad input gets a 4xx with an OpenAI-style error body and leaves
+All routes need `Authorization: Bearer <api_key>` or `x-api-key: <api_key>`
+(a fresh key per run by default). Bad input gets a 4xx with an OpenAI-style
+error body (Anthropic's shape on the Messages routes) and leaves
 the session as it was; so does a bad `/finish` body (a finite `reward`, an
 optional `info` object, no other keys), and a session whose `on_finish`
 fails stays open to be finished again. An unexpected error is logged
@@ -40,7 +43,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from molt_agents.chat_template import render_text
 from molt_agents.engines.base import SamplingParams
-from molt_agents.loopback import protocol, responses, streaming
+from molt_agents.loopback import anthropic, protocol, responses, streaming
+from molt_agents.loopback.anthropic import CountTokensRequest, MessagesRequest
 from molt_agents.loopback.protocol import APIError, ChatRequest, CompletionRequest
 from molt_agents.loopback.responses import ResponsesRequest
 from molt_agents.loopback.session import Session
@@ -184,27 +188,31 @@ class Loopback:
         unexpected = APIError(500, "the loopback failed on this request; its log (logger 'molt.loopback') "
                                    "has the traceback", type="server_error")
 
+        def answer(request: Request, error: APIError) -> JSONResponse:
+            body = anthropic.error_body(error) if anthropic.speaks(request.url.path) else error.body()
+            return JSONResponse(body, status_code=error.status)
+
         @app.exception_handler(APIError)
-        async def api_error(_, error: APIError):
-            return JSONResponse(error.body(), status_code=error.status)
+        async def api_error(request: Request, error: APIError):
+            return answer(request, error)
 
         @app.exception_handler(StarletteHTTPException)
-        async def http_error(_, error: StarletteHTTPException):
-            body = APIError(error.status_code, str(error.detail), code="not_found" if error.status_code == 404
-                            else None).body()
-            return JSONResponse(body, status_code=error.status_code)
+        async def http_error(request: Request, error: StarletteHTTPException):
+            return answer(request, APIError(error.status_code, str(error.detail),
+                                            code="not_found" if error.status_code == 404 else None))
 
         @app.middleware("http")
         async def authorize_and_contain(request: Request, call_next):
-            if request.headers.get("authorization") != f"Bearer {self.api_key}":
-                error = APIError(401, "missing or wrong API key (Authorization: Bearer <key>)",
-                                 type="authentication_error", code="invalid_api_key")
-                return JSONResponse(error.body(), status_code=401)
+            if request.headers.get("authorization") != f"Bearer {self.api_key}" \
+                    and request.headers.get("x-api-key") != self.api_key:
+                return answer(request, APIError(401, "missing or wrong API key (Authorization: Bearer <key>, "
+                                                     "or x-api-key: <key>)", type="authentication_error",
+                                                code="invalid_api_key"))
             try:
                 return await call_next(request)
             except Exception:  # past here Starlette answers 500 but re-raises, and uvicorn drops the connection
                 log.exception("%s %s failed", request.method, request.url.path)
-                return JSONResponse(unexpected.body(), status_code=500)
+                return answer(request, unexpected)
 
         @app.get("/s/{session_id}/v1/models")
         async def models(session_id: str):
@@ -238,6 +246,33 @@ class Loopback:
 
             return await self._respond(session, find_base, chat, 0, build, Wire(reply.events, reply.error))
 
+        @app.post("/s/{session_id}/v1/messages")
+        async def messages_api(session_id: str, request: Request):
+            body = protocol.parse(MessagesRequest, await self._read_json(request))
+            session = self._session(session_id)
+            chat = anthropic.chat_request(body)
+            find_chat_base = await self._chat_base(session, chat, param="messages")
+            reply = anthropic.Reply(self.model_name)
+
+            def find_base():
+                base = find_chat_base()
+                reply.input_tokens = len(base.token_ids)  # for message_start, sent once sampling starts
+                return base
+
+            def build(chat_body, base, samples, stop) -> dict:
+                stopped_by = anthropic.stop_sequence(self._reply_text(samples[0], []), stop)
+                return reply.message(self._chat_response(chat_body, base, samples, stop), stopped_by)
+
+            return await self._respond(session, find_base, chat, 0, build, Wire(reply.events, reply.error))
+
+        @app.post("/s/{session_id}/v1/messages/count_tokens")
+        async def count_tokens(session_id: str, request: Request):
+            body = protocol.parse(CountTokensRequest, await self._read_json(request))
+            self._session(session_id)
+            messages, tools = anthropic.chat_messages(body)
+            rendered = self._render(ChatRequest(messages=messages, tools=tools), param="messages")
+            return {"input_tokens": len(self.tokenizer.encode(rendered, add_special_tokens=False))}
+
         @app.post("/s/{session_id}/v1/completions")
         async def completions(session_id: str, request: Request):
             body = protocol.parse(CompletionRequest, await self._read_json(request))
@@ -266,12 +301,16 @@ class Loopback:
         `param` names the request field an error is about."""
         # Decoding (or fetching) images runs off the event loop; text-only requests skip the thread hop.
         images = await asyncio.to_thread(self._images, body.messages, param) if _has_images(body.messages) else []
+        rendered = self._render(body, param)
+        return lambda: session.base_for_text(rendered, images)
+
+    def _render(self, body: ChatRequest, param: str) -> str:
+        """`body`'s messages and tools under the model's chat template, ready for the reply."""
         try:
-            rendered = render_text(self.tokenizer, for_template(body.messages), body.tools)
+            return render_text(self.tokenizer, for_template(body.messages), body.tools)
         except TemplateError as error:  # the template's own raise_exception, e.g. "roles must alternate"
             raise APIError(400, f"the model's chat template refuses these messages: {error}",
                            param=param) from None
-        return lambda: session.base_for_text(rendered, images)
 
     def _images(self, messages: list[dict], param: str) -> list:
         if self.vision is None:

@@ -256,7 +256,7 @@ class ConfigError(ValueError):
     pass
 
 
-SPECULATIVE_CHECKED_ON = "0.32"  # the vLLM whose speculative logprobs tests/test_engine_vllm.py measures
+SPECULATIVE_CHECKED_ON = "0.32"  # the vLLM whose speculative logprobs tests/test_engine_parallel.py measures
 
 
 def validate(config: Config) -> None:
@@ -310,7 +310,7 @@ def validate(config: Config) -> None:
     need(engine.speculative == "none", "engine.speculative",
          f"{engine.speculative}: vLLM {SPECULATIVE_CHECKED_ON} reports a wrong logprob for a sampled token where a "
          "request stops inside an accepted draft (measured up to 9.7 nats off on the tiny model, "
-         "tests/test_engine_vllm.py), and a trained token must carry the logprob it was sampled with")
+         "tests/test_engine_parallel.py), and a trained token must carry the logprob it was sampled with")
     need(not (config.rollout.group_size == 1 and config.algo.estimator in ("grpo", "dr_grpo", "rloo", "gspo",
                                                                           "reinforce_pp_baseline")),
          "algo.estimator", f"{config.algo.estimator} needs --rollout.group_size >= 2 for its group baseline")

@@ -61,7 +61,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config, dict]:
     `RUN_DIR/config_history.jsonl`) is the starting point and only the flags given now apply on top;
     a flag that changes what the run is fails, naming it.
     """
-    argv = _bare_booleans(list(sys.argv[1:] if argv is None else argv))
+    argv = _bare_booleans(["--dry_run" if arg == "--dry-run" else arg for arg in (sys.argv[1:] if argv is None else argv)])
     parser = build_parser()
     namespace = parser.parse_args([a for a in argv if not a.startswith("--print_config")])  # it would exit here
     changes: dict = {}
@@ -115,7 +115,9 @@ def main(argv: list[str] | None = None) -> None:
 
             load_class(config.agent)
         model_dir = _model_dir(config)
-        fit_to_model(config, model_dir)
+        if config.dry_run:
+            sys.exit(dry_run(config, model_dir))
+        fit_to_model(config, model_dir, gpu_engines=_gpu_engines(config))
     except (ConfigError, ValueError) as error:
         sys.exit(f"molt-train: {error}")
     run_dir = Path(config.out or f"runs/{Path(config.env.split(':')[-1]).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -145,6 +147,30 @@ def main(argv: list[str] | None = None) -> None:
         console.say(console.failed(error))
         console.say(f"continue from the last checkpoint with --out {run_dir} --resume")
         sys.exit(1)
+
+
+def _gpu_engines(config: Config) -> bool:
+    """Whether the engines run on GPUs: this machine has one, or the run joins a cluster (which may)."""
+    import shutil
+
+    return config.ray.address is not None or shutil.which("nvidia-smi") is not None
+
+
+def dry_run(config: Config, model_dir: str) -> int:
+    """Print the run's plan; 0 if it fits, else the error naming the flag to change (exit status 1)."""
+    from molt_train import plan
+    from molt_train.model_fit import model_config
+
+    try:
+        cluster = plan.cluster_of(config)
+        fit_to_model(config, model_dir, gpu_engines=cluster.gpus > 0, local=False)
+        the_plan = plan.make_plan(config, model_config(model_dir), cluster)
+        print(plan.render(the_plan, model_dir))
+        plan.check(the_plan)
+    except ConfigError as error:
+        return f"molt-train --dry-run: {error}"
+    print("molt-train --dry-run: the run fits")
+    return 0
 
 
 def summary(config: Config, run_dir: Path, model_dir: str) -> str:

@@ -200,6 +200,20 @@ class RayConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """The cluster a --dry-run plans for (default: the live Ray cluster of --ray.address, else this machine)."""
+
+    nodes: int | None = None
+    """Nodes of the cluster."""
+    gpus_per_node: int | None = None
+    """GPUs per node (0: a CPU cluster, every process takes one CPU)."""
+    gpu_memory_gb: float | None = None
+    """Memory of one GPU, in GB (1e9 bytes)."""
+    cpu_memory_gb: float | None = None
+    """Host memory of one node, in GB."""
+
+
+@dataclass
 class CkptConfig:
     """Checkpoints under RUN_DIR/checkpoints/."""
 
@@ -242,12 +256,17 @@ class Config:
     """Continue the run in --out from its latest checkpoint."""
     seed: int = 0
     """Random seed for data order, sampling and initialisation."""
+    dry_run: bool = False
+    """Print the plan (where every engine and trainer rank goes, memory per GPU and host, tokens per step) from
+    the model's config.json and the cluster's shape (--cluster.*), start nothing, and fail naming the flag to
+    change when the run does not fit. Also --dry-run."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     log: LogConfig = field(default_factory=LogConfig)
 

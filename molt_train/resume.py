@@ -20,7 +20,7 @@ from pathlib import Path
 from molt_train.config import ConfigError
 
 # Flags (or groups, ending in ".") a resumed run may change.
-MAY_CHANGE = ("steps", "out", "resume", "log.", "ckpt.", "ray.", "rollout.episode_timeout")
+MAY_CHANGE = ("steps", "out", "resume", "dry_run", "log.", "ckpt.", "ray.", "cluster.", "rollout.episode_timeout")
 HISTORY = "config_history.jsonl"
 
 

@@ -1,0 +1,159 @@
+"""The memory model: bytes per trainer device, per engine device and per host, from the shape and the flags.
+
+Pure arithmetic, no torch. What each term counts, per trainer rank:
+
+- **states**: fp32 master parameters, fp32 gradients (they live through the
+  gradient accumulation of a step), AdamW's two fp32 moments, and the KL
+  reference's fp32 parameters; all sharded over the world size (FSDP2, with
+  tensor and expert parallelism folded in). `offload optimizer` moves the
+  moments (and a host master copy) to the host, `offload full` everything.
+- **gathered**: FSDP2's unsharded copies in the compute dtype: the root unit
+  (embeddings, head) and two decoder blocks (the one computing and the one
+  prefetched); the experts of a block gathered over their expert-parallel
+  group only.
+- **activations** of the largest micro-batch (`train.micro_batch_tokens`, or a
+  whole episode when it is longer, split over context-parallel ranks): what
+  autograd saves per token and decoder block, with the blocks' inputs only
+  where they are checkpointed and one block recomputed at a time, plus the
+  attention mask and the output head's `[tokens, vocab]` fp32 log-softmax
+  and its backward (per chunk with `actor.logprob_chunk_tokens`).
+
+The per-token coefficients of a block are counted on transformers' Qwen3 and
+Qwen3-MoE blocks (the tensors autograd saves, in units of the compute dtype's
+element; bf16 keeps a few fp32 copies in its norms, hence larger numbers);
+`tests/test_plan.py` checks whole-step estimates against measured peaks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from molt_train.config import Config
+from molt_train.plan.shape import Shape
+
+GB = 1e9
+# Saved per token and decoder block, in compute-dtype elements: (hidden, query width, key/value width, dense MLP
+# width, constant), and for a MoE block (k x hidden, k x expert width, experts, constant) instead of the dense MLP.
+BLOCK_COEFFICIENTS = {4: (5.83, 4.0, 4.49, 3.98, 69.4), 2: (7.86, 5.07, 5.43, 3.98, 72.3)}
+MOE_COEFFICIENTS = {4: (2.12, 3.99, 1.51, 29.1), 2: (2.17, 4.01, 3.39, 34.2)}
+# Bytes per position and vocabulary entry live at once in the output head's backward (the fp32 log-softmax it
+# saved and its gradients; with bf16 compute, some of them in bf16).
+HEAD_BYTES = {4: 10.9, 2: 8.6}
+BOOL_MASKS = 3  # bytes per token pair: the boolean block-causal masks transformers builds for packed sequences
+ADDITIVE_MASK = 0.725  # compute-dtype elements per token pair that each block not checkpointed still holds
+# (AutoModel's own MoE classes with checkpointing hold 4 more bytes per token pair: an fp32 copy of the mask.)
+ENGINE_WORKSPACE_GB = 2.0  # vLLM on a GPU beside weights and cache: CUDA context, graphs, sampler buffers (assumed)
+ENGINE_BATCH_SEQS = 256  # vLLM's default max_num_seqs: fp32 logits of this many sequences at once
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": None, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+
+
+@dataclass(frozen=True)
+class TrainerMemory:
+    """Bytes on one trainer device, and in its host memory."""
+
+    params: float
+    grads: float
+    optimizer: float
+    reference: float
+    gathered: float
+    activations: float
+    host: float  # offloaded states of this rank
+    micro_batch_tokens: int
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.reference + self.gathered + self.activations
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """Bytes on one engine device, and the sequences its KV cache holds."""
+
+    weights: float
+    workspace: float
+    kv_cache: float
+    kv_per_token: float  # bytes per cached token on this device
+    budget: float  # gpu_memory_utilization x device memory
+    sequences: int  # of rollout.max_total_tokens, at once
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.workspace + max(self.kv_cache, 0.0)
+
+
+def trainer_memory(shape: Shape, config: Config) -> TrainerMemory:
+    actor, train = config.actor, config.train
+    world, tp, cp, ep = actor.world_size, actor.tensor_parallel, actor.context_parallel, actor.expert_parallel
+    compute = 2 if actor.param_dtype == "bfloat16" else 4
+    shard = shape.params / world
+    params, grads, moments = 4 * shard, 4 * shard, 8 * shard
+    reference = 4 * shard if config.algo.kl_coef > 0 else 0.0
+    host = 0.0
+    if actor.offload == "optimizer":
+        host, moments = moments + 4 * shard, 0.0  # moments and the host master copy
+    elif actor.offload == "full":
+        host = params + grads + moments + reference
+        params = grads = moments = reference = 0.0
+    block_dense = shape.block_params - shape.block_expert_params
+    gathered = compute * (shape.root_params / tp + 2 * (block_dense / tp + shape.block_expert_params / ep))
+    if world == 1 and actor.backend == "automodel":  # AutoModel leaves one rank unsharded: nothing gathered
+        gathered = 0.0
+    tokens = max(train.micro_batch_tokens, config.rollout.max_total_tokens)
+    activations = activation_bytes(shape, config, -(-tokens // cp), compute)
+    return TrainerMemory(params, grads, moments, reference, gathered, activations, host, tokens)
+
+
+def block_bytes_per_token(shape: Shape, compute: int, tp: int, moe: bool) -> float:
+    """Bytes autograd saves per token for one decoder block (tensor-parallel ranks split heads and MLP)."""
+    c_hidden, c_query, c_kv, c_mlp, c_const = BLOCK_COEFFICIENTS[compute]
+    query, kv = shape.heads * shape.head_dim / tp, shape.kv_heads * shape.value_dim / tp
+    elements = c_hidden * shape.hidden + c_query * query + c_kv * kv + c_const
+    if moe:
+        m_hidden, m_width, m_experts, m_const = MOE_COEFFICIENTS[compute]
+        elements += (m_hidden * shape.top_k * shape.hidden + m_width * shape.top_k * shape.expert_intermediate / tp
+                     + m_experts * shape.experts + m_const)
+    else:
+        elements += c_mlp * shape.intermediate / tp
+    return elements * compute
+
+
+def activation_bytes(shape: Shape, config: Config, tokens: int, compute: int) -> float:
+    """Peak activation bytes of one micro-batch of `tokens` tokens on one rank."""
+    actor = config.actor
+    tp = actor.tensor_parallel
+    dense = block_bytes_per_token(shape, compute, tp, moe=False)
+    sparse = block_bytes_per_token(shape, compute, tp, moe=True) if shape.moe_layers else 0.0
+    per_block = [sparse] * shape.moe_layers + [dense] * (shape.layers - shape.moe_layers)
+    kept_input = shape.hidden * compute
+    every = {"none": 0, "full": 1, "selective": 2}[actor.activation_checkpointing]
+    checkpointed = set(range(0, shape.layers, every)) if every else set()
+    saved = [kept_input if index in checkpointed else size for index, size in enumerate(per_block)]
+    plain_mask = ADDITIVE_MASK * compute  # per token pair, held by each block that is not checkpointed
+    masks = BOOL_MASKS + (4 if checkpointed and actor.backend == "automodel" and shape.experts else 0)
+    # Backward's high points: the output head's, with every block's saved tensors still held; and each
+    # checkpointed block's recompute, once the blocks after it have given theirs back.
+    chunk = min(actor.logprob_chunk_tokens or tokens, tokens)
+    head = (tokens * sum(saved) + HEAD_BYTES[compute] * chunk * shape.vocab
+            + tokens * tokens * (masks + (shape.layers - len(checkpointed)) * plain_mask))
+    recomputes = [tokens * (sum(saved[:index + 1]) + per_block[index])
+                  + tokens * tokens * (masks + sum(plain_mask for i in range(index) if i not in checkpointed))
+                  for index in checkpointed]
+    return max([head, *recomputes])
+
+
+def engine_memory(shape: Shape, config: Config, device_gb: float) -> EngineMemory:
+    engine, rollout = config.engine, config.rollout
+    tp = engine.tensor_parallel_size
+    weight_bytes = DTYPE_BYTES[engine.dtype]
+    weights = shape.params * weight_bytes / tp
+    workspace = ENGINE_WORKSPACE_GB * GB + ENGINE_BATCH_SEQS * shape.vocab * 4 * 2
+    cache_bytes = DTYPE_BYTES[engine.kv_cache_dtype] or weight_bytes
+    if shape.kv_cache_replicated:
+        per_layer = shape.kv_cache_per_token
+    else:  # each rank caches its share of the key/value heads (a head is replicated when there are fewer)
+        per_layer = shape.kv_cache_per_token / shape.kv_heads * max(1, shape.kv_heads // tp)
+    kv_per_token = per_layer * shape.layers * cache_bytes
+    budget = device_gb * GB * engine.gpu_memory_utilization
+    kv_cache = budget - weights - workspace
+    sequences = int(max(kv_cache, 0) // (kv_per_token * rollout.max_total_tokens))
+    return EngineMemory(weights, workspace, kv_cache, kv_per_token, budget, sequences)

@@ -1,0 +1,209 @@
+"""`molt-train --dry-run`: parameter counts, placement, the memory model against measured peaks, the recipes.
+
+The memory model is checked against the real trainer: `PolicyRank` steps on
+the tiny dense, MoE and vision-language models (gloo ranks spawned here)
+under the CPU allocator's own accounting (the profiler's memory events: every
+byte allocated and freed, in order), and the highest total during a step of
+two micro-batches per rank is compared with the estimate of the same flags.
+"""
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from molt_train.config import (
+    ActorConfig,
+    AlgoConfig,
+    Config,
+    RolloutConfig,
+    TrainConfig,
+)
+from molt_train.plan.memory import trainer_memory
+from molt_train.plan.shape import _meta_counts, shape
+
+ROOT = Path(__file__).resolve().parent.parent
+MOLT_TRAIN = [sys.executable, "-m", "molt_train.cli"]
+RECIPES = sorted(path for path in (ROOT / "recipes").glob("*.yaml") if "\ncluster:" in path.read_text())
+TOLERANCE = 0.15  # estimate vs measured peak, relative
+MARKER = 7_777_777  # bytes of a tensor allocated and freed between the two steps: where the measured step starts
+
+
+def _config(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+def _dry_run(*flags, timeout=60) -> subprocess.CompletedProcess:
+    return subprocess.run(MOLT_TRAIN + ["--dry-run", *flags], capture_output=True, text=True, cwd=ROOT,
+                          timeout=timeout)
+
+
+# ----------------------------------------------------------------------------- parameter counts
+
+@pytest.mark.parametrize("model", sorted((ROOT / "recipes" / "models").iterdir()), ids=lambda path: path.name)
+def test_parameter_counts_equal_transformers_own_class_on_the_meta_device(model):
+    counted, built = shape(_config(model)), _meta_counts(_config(model))
+    assert counted.counted_by == "formula"
+    for key, value in built.items():
+        assert getattr(counted, key) == value, key
+
+
+def test_the_tiny_models_are_counted_right(dense_dir, moe_dir):
+    from molt_agents.tiny import tiny_model
+
+    for model in (dense_dir, moe_dir, tiny_model("vlm")):
+        counted, built = shape(_config(Path(model))), _meta_counts(_config(Path(model)))
+        assert {key: getattr(counted, key) for key in built} == built
+
+
+# ----------------------------------------------------------------------------- the recipes
+
+def _readme_plans() -> dict[str, str]:
+    readme = (ROOT / "README.md").read_text()
+    return dict(re.findall(r"<!-- plan: (\S+) -->\n```\n(.*?)```", readme, re.DOTALL))
+
+
+def test_every_recipe_fits_its_cluster_and_the_readme_shows_its_plan():
+    plans = _readme_plans()
+    assert len(RECIPES) >= 5
+    for recipe in RECIPES:
+        name = str(recipe.relative_to(ROOT))
+        start = time.monotonic()
+        result = _dry_run("--config", name)
+        print(f"{name}: {time.monotonic() - start:.2f} s")
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.rstrip().endswith("the run fits")
+        assert name in plans, f"README.md shows no plan for {name} (a '<!-- plan: {name} -->' block)"
+        assert result.stdout == plans[name], f"the plan of {name} changed: update README.md"
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--config", "recipes/qwen3-235b-a22b.yaml", "--actor.offload", "none"],
+     "trainer rank needs 91.5 GB of 80 GB: set --actor.offload optimizer, or --actor.world_size >= 64"),
+    (["--config", "recipes/deepseek-v3.yaml", "--cluster.gpu_memory_gb", "141"],
+     "--engine.tensor_parallel_size 8: an engine GPU needs 170.0 GB for weights and workspace of 133.9 GB"),
+    (["--config", "recipes/qwen3-30b-a3b.yaml", "--engine.tensor_parallel_size", "16"],
+     "--engine.tensor_parallel_size 16: an engine's ranks share one node, and a node has 8 GPUs"),
+    (["--config", "recipes/qwen3-30b-a3b.yaml", "--actor.world_size", "16", "--actor.expert_parallel", "16"],
+     "--engine.data_parallel_size 2 x --engine.tensor_parallel_size 4 + --actor.world_size 16: the run places 24 "
+     "GPUs and the cluster has 16"),
+    (["--config", "recipes/qwen3-235b-a22b.yaml", "--cluster.cpu_memory_gb", "800"],
+     "--cluster.cpu_memory_gb 800: node 2 needs 940.4 GB of host memory"),
+    (["--config", "recipes/qwen3-4b.yaml", "--engine.gpu_memory_utilization", "0.14"],
+     "--rollout.max_total_tokens 8192: the KV cache of an engine GPU holds 0.8 GB, less than one such sequence"),
+])
+def test_a_run_that_does_not_fit_fails_naming_the_flag_to_change(flags, message):
+    result = _dry_run(*flags)
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"molt-train --dry-run: {message}"), result.stderr
+
+
+def test_dry_run_reads_the_shape_of_a_live_ray_cluster(ray_address, dense_dir):
+    result = _dry_run("--model", str(dense_dir), "--ray.address", ray_address)
+    assert result.returncode == 0, result.stderr
+    assert "# cluster: 1 node(s) x 4 CPUs" in result.stdout and f"(Ray cluster {ray_address})" in result.stdout
+
+
+def test_the_paper_s_optimizer_offload_figure():
+    """The AdamW moments that `--actor.offload optimizer` moves off each GPU, for Qwen3-4B in bf16 compute."""
+    model = shape(_config(ROOT / "recipes" / "models" / "qwen3-4b"))
+    savings = {}
+    for world in (1, 2, 4, 8):
+        actor = dict(world_size=world, param_dtype="bfloat16", activation_checkpointing="full")
+        plain = trainer_memory(model, Config(actor=ActorConfig(**actor)))
+        offloaded = trainer_memory(model, Config(actor=ActorConfig(**actor, offload="optimizer")))
+        savings[world] = (plain.total - offloaded.total) / 1e9
+        assert offloaded.host == pytest.approx(12 * model.params / world)  # moments and master weights
+    print("Qwen3-4B optimizer offload saves per GPU:", {world: f"{gb:.1f} GB" for world, gb in savings.items()})
+    assert savings[2] == pytest.approx(8 * 4.0225e9 / 2 / 1e9, rel=1e-3)
+
+
+# ----------------------------------------------------------------------------- estimates vs measured peaks
+
+def _micro_batches(vocab: int, budget: int, count: int, length: int = 128):
+    from molt_train.packing import TrainItem, pack
+
+    generator, items = np.random.default_rng(0), []
+    for _ in range(count * budget // length):
+        mask = [0] * (length // 2) + [1] * (length // 2)
+        items.append(TrainItem(token_ids=generator.integers(3, vocab, length).tolist(), mask=mask,
+                               logprobs=[-1.0 if m else None for m in mask], ages=[0] * length, advantage=1.0))
+    return pack(items, budget)
+
+
+def _measured_rank(rank, world, model_dir, actor, algo, train, port, out):
+    """Two steps of a real PolicyRank under the profiler; the highest allocated total during the second."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from molt_train.actor.policy import PolicyRank
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        policy = PolicyRank(model_dir, model_dir, rank, world, f"tcp://127.0.0.1:{port}", train, algo, actor, steps=2)
+        vocab = policy.model.config.get_text_config().vocab_size
+        batches = _micro_batches(vocab, train.micro_batch_tokens, 2 * actor.data_parallel)
+        mine = batches[rank // (actor.tensor_parallel * actor.context_parallel)::actor.data_parallel]
+        step_tokens = int(sum(mb.mask.sum() for mb in batches))
+        policy.step(mine, step_tokens)  # the first step allocates the optimizer's states
+        marker = torch.empty(MARKER, dtype=torch.uint8)
+        del marker
+        policy.step(mine, step_tokens)
+    events = sorted((event for event in profiler.profiler.kineto_results.events()
+                     if event.name() == "[memory]" and event.device_type().name == "CPU"),
+                    key=lambda event: event.start_ns())
+    allocated, peak, measuring = 0, 0, False
+    for event in events:
+        allocated += event.nbytes()
+        measuring |= event.nbytes() == -MARKER
+        if measuring:
+            peak = max(peak, allocated)
+    torch.save(peak, f"{out}/rank{rank}.pt")
+    policy.close()
+
+
+def _measured_peak(model_dir, actor: ActorConfig, algo: AlgoConfig, train: TrainConfig, out: Path) -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_measured_rank, args=(actor.world_size, str(model_dir), actor, algo, train, port, str(out)),
+                       nprocs=actor.world_size, start_method="spawn")
+    return max(torch.load(out / f"rank{rank}.pt") for rank in range(actor.world_size))
+
+
+SETTINGS = [
+    ("dense", {}, 2048),
+    ("dense", {"param_dtype": "bfloat16"}, 1024),
+    ("dense", {"activation_checkpointing": "full"}, 2048),
+    ("dense", {"param_dtype": "bfloat16", "activation_checkpointing": "full"}, 2048),
+    ("dense", {"activation_checkpointing": "selective", "logprob_chunk_tokens": 256}, 2048),
+    ("dense", {"world_size": 2}, 1024),
+    ("dense", {"offload": "optimizer"}, 1024),
+    ("dense", {"offload": "full", "world_size": 2}, 1024),
+    ("moe", {}, 1024),
+    ("moe", {"backend": "automodel", "world_size": 2, "expert_parallel": 2, "param_dtype": "bfloat16",
+             "activation_checkpointing": "full"}, 1024),
+    ("vlm", {}, 1024),
+]
+
+
+@pytest.mark.parametrize("kind,actor,tokens", SETTINGS, ids=lambda value: json.dumps(value).replace(" ", ""))
+def test_the_trainer_estimate_matches_the_measured_peak(kind, actor, tokens, tmp_path):
+    """On CPU host and device are one memory: the estimate's device and host parts together."""
+    from molt_agents.tiny import tiny_model
+
+    model_dir = tiny_model(kind)
+    config = Config(actor=ActorConfig(**actor), algo=AlgoConfig(kl_coef=0.1),
+                    train=TrainConfig(micro_batch_tokens=tokens), rollout=RolloutConfig(max_total_tokens=512))
+    estimate = trainer_memory(shape(_config(model_dir)), config)
+    measured = _measured_peak(model_dir, config.actor, config.algo, config.train, tmp_path)
+    estimated = estimate.total + estimate.host
+    print(f"{kind} {actor} {tokens} tokens: estimated {estimated / 2**20:.2f} MiB, measured {measured / 2**20:.2f} "
+          f"MiB ({estimated / measured - 1:+.1%}); activations {estimate.activations / 2**20:.2f} MiB")
+    assert abs(estimated / measured - 1) <= TOLERANCE

@@ -8,6 +8,8 @@
 #   - the bucketed NCCL weight sync with partial rollout (needs 2 GPUs: NCCL refuses two ranks on one)
 #   - vLLM's routed experts on the tiny MoE against the trainer's own top-k
 #   - NeMo AutoModel's native MoE class on CUDA, one step under routing replay
+#   - the dry-run's memory model against torch.cuda.max_memory_allocated of a trainer step (fp32; bf16 with
+#     full checkpointing)
 #   - a 20-step `molt-train` on the default task, trainer and bf16 engine colocated on the one GPU
 #     (--actor.colocate: the engine sleeps while the trainer steps), the actor in bf16 with full
 #     activation checkpointing

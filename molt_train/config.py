@@ -18,7 +18,8 @@ class EngineConfig:
     name: Literal["vllm", "hf"] = "vllm"
     """Engine backend: vllm, or hf (the transformers fallback)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Engine weight dtype."""
+    """Engine weight dtype; the weight sync sends the trainer's floating-point weights cast to it (the same
+    weights the engine would cast them to, in half the bytes for bf16)."""
     max_model_len: int | None = None
     """Longest sequence (prompt + completion) the engine accepts, in tokens; default: the model's own
     context (max_position_embeddings). More than the model's context is refused."""
@@ -162,7 +163,7 @@ class ActorConfig:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype of the actor's forwards and backwards (FSDP2 mixed precision). bfloat16 keeps fp32
     master weights and optimizer states, reduces gradients in fp32 and takes the logprobs in fp32 from
-    the bf16 logits; the weights sent to the engines and checkpoints stay fp32."""
+    the bf16 logits; checkpoints stay fp32 (the engines get them in --engine.dtype)."""
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     """full: keep only each decoder block's inputs and recompute its activations in backward (less
     memory for long sequences, about one more forward of compute); selective: every other block (about

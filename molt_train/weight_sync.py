@@ -13,12 +13,18 @@ The channel is a process group of its own (its own TCP store on trainer rank
 channel rank 0 is trainer rank 0, ranks 1..W are the workers. Every sender
 and receiver computes the same bucket plan from the same tensor list, so
 nothing but the bytes crosses the wire.
+
+Floating-point weights travel in the engine's dtype (`sync_metas`; an fp32
+engine gets fp32): the engine casts every weight it loads to its own dtype
+anyway, so casting on the trainer's side gives the engine the same bits,
+while a bf16 engine receives and stages half the bytes. The bucket plan is
+made from these metas, and `Channel.send` casts to them.
 """
 
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -50,6 +56,18 @@ def tensor_meta(named_tensors) -> list[TensorMeta]:
     """Names, full shapes and dtypes of `(name, tensor)` pairs (sharded DTensors report their full shape)."""
     return [TensorMeta(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
             for name, tensor in named_tensors]
+
+
+def sync_dtype(dtype: torch.dtype, engine_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor of `dtype` travels in to an engine of `engine_dtype`: floating-point weights in the
+    engine's, other tensors (integer buffers) as they are."""
+    return engine_dtype if dtype.is_floating_point else dtype
+
+
+def sync_metas(metas: list[TensorMeta], engine_dtype: torch.dtype) -> list[TensorMeta]:
+    """`metas` as the tensors travel to an engine of `engine_dtype` (`sync_dtype`)."""
+    return [replace(meta, dtype=str(sync_dtype(getattr(torch, meta.dtype), engine_dtype)).removeprefix("torch."))
+            for meta in metas]
 
 
 def plan_buckets(metas: list[TensorMeta], bucket_bytes: int) -> list[Bucket]:
@@ -94,10 +112,11 @@ class Channel:
         self.group.broadcast(buffer, 0).wait()
 
     def send(self, bucket: Bucket, tensors: dict[str, torch.Tensor]) -> None:
-        """Broadcast one bucket of full tensors (channel rank 0)."""
+        """Broadcast one bucket of full tensors (channel rank 0), each cast to its dtype in the plan."""
         buffer = torch.empty(bucket.size, dtype=torch.uint8, device=self.device)
         for meta, offset in bucket.entries:
-            flat = tensors[meta.name].detach().to(self.device).contiguous().view(-1).view(torch.uint8)
+            tensor = tensors[meta.name].detach().to(self.device, getattr(torch, meta.dtype))
+            flat = tensor.contiguous().view(-1).view(torch.uint8)
             buffer[offset: offset + meta.nbytes].copy_(flat)
         self.broadcast(buffer)
 

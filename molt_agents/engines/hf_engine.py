@@ -52,16 +52,21 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     return token, float(logprobs[token]), top
 
 
-def load_model(model_dir: str | Path, dtype):
-    """A Hugging Face causal LM, or an image-text-to-text model when the config has a vision tower."""
+def model_class(model_dir: str | Path):
+    """transformers' auto class for the checkpoint in `model_dir`: image-text-to-text when its config has a
+    vision tower, else causal LM."""
     import json
 
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     path = Path(model_dir) / "config.json"
     config = json.loads(path.read_text()) if path.exists() else {}
-    auto = AutoModelForImageTextToText if "vision_config" in config else AutoModelForCausalLM
-    return auto.from_pretrained(str(model_dir), dtype=dtype)
+    return AutoModelForImageTextToText if "vision_config" in config else AutoModelForCausalLM
+
+
+def load_model(model_dir: str | Path, dtype):
+    """A Hugging Face causal LM, or an image-text-to-text model when the config has a vision tower."""
+    return model_class(model_dir).from_pretrained(str(model_dir), dtype=dtype)
 
 
 def checkpoint_layout(model) -> dict[str, tuple[str, torch.Tensor]]:

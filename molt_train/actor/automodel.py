@@ -67,12 +67,19 @@ def _without_cuda():
 
 
 def load_native(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """AutoModel's own MoE model with the checkpoint's weights, in `dtype`, on the CPU (sharding moves it).
+    """AutoModel's own MoE model with the checkpoint's weights, in `dtype`, on the CPU (sharding moves it)."""
+    model = build_native(model_dir, dtype)
+    model.load_state_dict(native_state(model, model_dir, dtype))
+    return model.to(dtype)
+
+
+def build_native(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """AutoModel's own MoE model for the checkpoint in `model_dir`, in `dtype`, its weights as its constructor
+    makes them (on the meta device within `fsdp.parameters_on_meta`).
 
     Its auxiliary load-balancing loss is off: the actor trains on the RL loss alone, as the
     transformers path does."""
     from nemo_automodel.components.models.common import BackendConfig
-    from safetensors.torch import load_file
     from transformers import AutoConfig
 
     cls = native_class(model_dir)
@@ -88,11 +95,24 @@ def load_native(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> nn
     for module in model.modules():
         if type(module).__name__ == "RotaryEmbedding" and isinstance(getattr(module, "device", None), torch.device):
             module.device = device
+    return model
+
+
+def native_state(model: nn.Module, model_dir: str | Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The weights of the checkpoint in `model_dir` as `model`'s full state dict (AutoModel's layout: the experts
+    of a layer grouped, in `dtype`; the other tensors as the checkpoint stores them), through the model's
+    state-dict adapter."""
+    from safetensors.torch import load_file
+
     hf_weights = {}
     for file in sorted(Path(model_dir).glob("*.safetensors")):
         hf_weights.update(load_file(file))
-    model.load_state_dict(model.state_dict_adapter.from_hf(hf_weights))
-    return model.to(dtype)
+    adapter = model.state_dict_adapter
+    model_dtype, adapter.dtype = adapter.dtype, dtype  # the adapter groups the experts in its own dtype
+    try:
+        return adapter.from_hf(hf_weights)  # (it empties `hf_weights` as it converts)
+    finally:
+        adapter.dtype = model_dtype
 
 
 def hf_tensors(model: nn.Module, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -153,7 +173,8 @@ def shard_model(model: nn.Module, mesh=None, param_dtype: torch.dtype | None = N
     if is_native(model):
         from nemo_automodel.components.moe.parallelizer import parallelize_model
 
-        model.to("cuda" if torch.cuda.is_available() else "cpu")
+        if not next(model.parameters()).is_meta:  # (a model on the meta device is filled after sharding)
+            model.to("cuda" if torch.cuda.is_available() else "cpu")
         parallelize_model(model, mesh.device_mesh, mesh.moe_mesh, mp_policy=policy, offload_policy=offload_policy,
                           reshard_after_forward=True, activation_checkpointing=activation_checkpointing,
                           **mesh.parallelize_axis_kwargs())

@@ -8,11 +8,20 @@ Memory options, all applied here: bf16 compute over fp32 master weights
 (`MixedPrecisionPolicy`), activation checkpointing of every block or every
 other one (their activations are recomputed in backward), and CPU offload of the
 sharded parameters, gradients and optimizer states (`CPUOffloadPolicy`).
+
+Loading once per trainer: with several ranks, every rank builds the model
+with its parameters on the meta device (`parameters_on_meta`: no memory, no
+values) and shards it; only rank 0 reads the checkpoint, in the dtype it is
+stored in, and `fill_from_rank0` broadcasts it tensor by tensor, each rank
+keeping its shards (cast to the fp32 master weights). A host never holds
+more than rank 0's one copy of the checkpoint.
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -88,3 +97,68 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+# ---------------------------------------------------------------------------- loading once per trainer
+
+
+@contextmanager
+def parameters_on_meta():
+    """Modules built within hold their parameters on the meta device (a shape and a dtype, no memory and no
+    values) and their buffers as their constructors compute them: those that no checkpoint holds (rotary
+    frequencies) keep their values."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None:
+            meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            meta.__dict__.update(param.__dict__)  # attributes a constructor set on it
+            module._parameters[name] = meta
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def checkpoint_dtype(model_dir: str | Path) -> torch.dtype:
+    """The dtype the checkpoint in `model_dir` stores its weights in, as its config.json declares it (`dtype`,
+    or the older `torch_dtype`, on the model's or its text model's config); float32 if it does not."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    for declared in (getattr(config, "dtype", None), getattr(config.get_text_config(), "dtype", None)):
+        declared = getattr(torch, declared, None) if isinstance(declared, str) else declared
+        if isinstance(declared, torch.dtype):
+            return declared
+    return torch.float32
+
+
+def build_model(model_dir: str | Path, dtype: torch.dtype) -> nn.Module:
+    """The transformers model of the checkpoint in `model_dir` (`load_model`'s class) in `dtype`, its weights
+    as its constructor makes them (on the meta device within `parameters_on_meta`); no weight is read."""
+    from transformers import AutoConfig, GenerationConfig
+
+    from molt_agents.engines.hf_engine import model_class
+
+    model = model_class(model_dir).from_config(AutoConfig.from_pretrained(str(model_dir)), dtype=dtype)
+    if (Path(model_dir) / "generation_config.json").exists():  # as `from_pretrained` takes it (checkpoints save it)
+        model.generation_config = GenerationConfig.from_pretrained(str(model_dir))
+    return model
+
+
+def fill_from_rank0(model: nn.Module, state: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Materialise on `device` a model sharded on the meta device and fill it from `state`, the full state
+    dict that rank 0 holds (the other ranks pass {}; a collective): broadcast one tensor at a time, each rank
+    copying its shards in, cast to the model's dtypes. The buffers keep the values they were built with
+    (`parameters_on_meta`), persistent ones then take rank 0's."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    built = dict(model.named_buffers())
+    model.to_empty(device=device)  # uninitialised memory for the shards and buffers
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(built[name])
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))

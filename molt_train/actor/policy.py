@@ -12,7 +12,9 @@ optimizer steps, gradient accumulation over micro-batches, token-level loss
 normalisation over the whole step, gradient clipping). It returns the rank's
 `StepStats`, which declare how the group combines them. Every rank takes part
 in gathering full tensors for the weight sync and checkpoints; rank 0 sends
-them to the engines and writes the files.
+them to the engines (in the engines' dtype) and writes the files. With
+several ranks only rank 0 reads the checkpoint at start; the others receive
+their shards from it (`_load`, `_shard`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from molt_train.algorithms.losses import entropy_from_logits, gspo_loss, kl, ppo
 from molt_train.algorithms.off_policy import importance_weights, mismatch
 from molt_train.config import ActorConfig, AlgoConfig, TrainConfig
 from molt_train.packing import MicroBatch
-from molt_train.weight_sync import Channel, free_endpoint, plan_buckets, tensor_meta
+from molt_train.weight_sync import Channel, free_endpoint, plan_buckets, sync_dtype, sync_metas, tensor_meta
 
 
 def _reduced(how: str, default=0):
@@ -166,11 +168,14 @@ def _per_token_head(model, targets: torch.Tensor, chunk_tokens: int, with_entrop
 
 class PolicyRank:
     def __init__(self, model_dir: str, start_dir: str, rank: int, world_size: int, init_method: str,
-                 train: TrainConfig, algo: AlgoConfig, actor: ActorConfig, steps: int, seed: int = 0):
+                 train: TrainConfig, algo: AlgoConfig, actor: ActorConfig, steps: int, seed: int = 0,
+                 engine_dtype: str = "float32"):
         """The policy starts from the weights in `start_dir` (the run's model, or a checkpoint's policy when
-        resuming); the reference model of the KL penalty is always the run's model in `model_dir`."""
+        resuming); the reference model of the KL penalty is always the run's model in `model_dir`. The weight
+        sync sends floating-point weights in `engine_dtype`, the engines' (`--engine.dtype`)."""
         torch.manual_seed(seed)
         self.rank, self.world_size, self.data_parallel = rank, world_size, actor.data_parallel
+        self.engine_dtype = getattr(torch, engine_dtype)
         self.context_parallel = actor.context_parallel
         self.train_config, self.algo = train, algo
         self.chunk_tokens = actor.logprob_chunk_tokens
@@ -185,10 +190,10 @@ class PolicyRank:
         self.frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
         self.mesh = (automodel.device_mesh(actor.tensor_parallel, actor.context_parallel, actor.expert_parallel)
                      if actor.backend == "automodel" else None)
-        self.model = self._shard(model, actor)
+        self.model = self._shard(model, start_dir, actor)
         self.reference = None
         if algo.kl_coef > 0:  # forwards only: nothing to recompute
-            self.reference = self._shard(self._load(model_dir, actor.backend),
+            self.reference = self._shard(self._load(model_dir, actor.backend), model_dir,
                                          replace(actor, activation_checkpointing="none"))
             self.reference.requires_grad_(False)
         adamw = HostAdamW if actor.offload == "optimizer" else torch.optim.AdamW
@@ -219,21 +224,41 @@ class PolicyRank:
             raise ValueError("--actor.context_parallel: does not split image inputs over its ranks; use 1")
         return automodel.split_sequence(self.mesh.device_mesh["cp"], mb.input_ids, mb.position_ids)
 
-    @staticmethod
-    def _load(model_dir, backend):
-        """The transformers model; with the AutoModel backend, AutoModel's own class for MoE models it has."""
-        if backend == "automodel" and automodel.native_class(model_dir) is not None:
-            return automodel.load_native(model_dir, torch.float32)
-        return load_model(model_dir, torch.float32)
+    def _load(self, model_dir, backend):
+        """The transformers model; with the AutoModel backend, AutoModel's own class for MoE models it has; in
+        fp32, the master weights. With several ranks no rank reads the weights here: the model is built with
+        its parameters on the meta device, and `_shard` gives it rank 0's."""
+        native = backend == "automodel" and automodel.native_class(model_dir) is not None
+        if self.world_size == 1:
+            return automodel.load_native(model_dir, torch.float32) if native else load_model(model_dir, torch.float32)
+        with fsdp.parameters_on_meta():
+            if native:
+                return automodel.build_native(model_dir, torch.float32)
+            return fsdp.build_model(model_dir, torch.float32)
 
-    def _shard(self, model, actor: ActorConfig):
-        """Shard with the actor's backend, in its compute dtype, checkpointing and offload."""
+    def _shard(self, model, model_dir, actor: ActorConfig):
+        """Shard with the actor's backend, in its compute dtype, checkpointing and offload. A model built on the
+        meta device (several ranks) then takes the weights in `model_dir`: rank 0 alone reads them, in the dtype
+        the checkpoint stores, and every rank receives its shards from it."""
         dtype, offload = getattr(torch, actor.param_dtype), actor.offload == "full"
         checkpoint_every = {"none": 0, "full": 1, "selective": 2}[actor.activation_checkpointing]
         if actor.backend == "automodel":  # selective is refused there by `validate`
-            return automodel.shard_model(model, self.mesh, param_dtype=dtype,
-                                         activation_checkpointing=checkpoint_every == 1, offload=offload)
-        return fsdp.shard_model(model, param_dtype=dtype, checkpoint_every=checkpoint_every, offload=offload)
+            model = automodel.shard_model(model, self.mesh, param_dtype=dtype,
+                                          activation_checkpointing=checkpoint_every == 1, offload=offload)
+        else:
+            model = fsdp.shard_model(model, param_dtype=dtype, checkpoint_every=checkpoint_every, offload=offload)
+        if self.world_size > 1:
+            state = self._checkpoint_state(model, model_dir) if self.rank == 0 else {}
+            fsdp.fill_from_rank0(model, state, torch.device("cpu") if offload else self.device)
+        return model
+
+    @staticmethod
+    def _checkpoint_state(model, model_dir) -> dict[str, torch.Tensor]:
+        """The full state dict of `model` from the checkpoint in `model_dir`, in the dtype the checkpoint stores."""
+        dtype = fsdp.checkpoint_dtype(model_dir)
+        if automodel.is_native(model):
+            return automodel.native_state(model, model_dir, dtype)
+        return load_model(model_dir, dtype).state_dict()
 
     def _hf_tensors(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """A full tensor of the model as the Hugging Face checkpoint tensors it holds (engines and
@@ -328,17 +353,24 @@ class PolicyRank:
     # ------------------------------------------------------------------
 
     def full_weights(self, for_sync: bool = False) -> dict[str, torch.Tensor] | None:
-        """The unsharded weights, on rank 0 (a collective: every rank calls it); for the weight sync
-        without the frozen ones."""
+        """The unsharded weights, on rank 0 (a collective: every rank calls it), as the model holds them (fp32
+        for checkpoints); for the weight sync without the frozen ones and in the engines' dtype."""
         state = fsdp.full_state_dict(self.model)
         if self.rank != 0:
             return None
-        return {name: tensor.detach().cpu().clone() for key, value in state.items()
-                if not (for_sync and key in self.frozen) for name, tensor in self._hf_tensors(key, value)}
+        weights = {}
+        for key, value in state.items():
+            if for_sync and key in self.frozen:
+                continue
+            for name, tensor in self._hf_tensors(key, value):
+                dtype = sync_dtype(tensor.dtype, self.engine_dtype) if for_sync else tensor.dtype
+                weights[name] = tensor.detach().to("cpu", dtype, copy=True)
+        return weights
 
     def weight_meta(self):
-        """Name, full shape and dtype of every weight the engines load, in sync order (frozen ones never
-        change, so they never travel). Remembers which of the model's tensors holds each."""
+        """Name, full shape and dtype (the engines', for floating-point ones) of every weight the engines load,
+        in sync order (frozen ones never change, so they never travel). Remembers which of the model's tensors
+        holds each."""
         metas, self.sources = [], {}
         for key, value in self.model.state_dict().items():
             if key in self.frozen:
@@ -346,7 +378,7 @@ class PolicyRank:
             for name, meta in self._hf_tensors(key, torch.empty(value.shape, dtype=value.dtype, device="meta")):
                 metas.append((name, meta))
                 self.sources[name] = key
-        return tensor_meta(metas)
+        return sync_metas(tensor_meta(metas), self.engine_dtype)
 
     def channel_endpoint(self) -> tuple[str, int]:
         return free_endpoint()
@@ -357,7 +389,8 @@ class PolicyRank:
         self.channel = Channel(host, port, 0, size, self.device) if self.rank == 0 else None
 
     def broadcast_weights(self) -> None:
-        """Gather the full tensors bucket by bucket (a collective) and broadcast each bucket from rank 0."""
+        """Gather the full tensors bucket by bucket (a collective) and broadcast each bucket from rank 0 (the
+        channel casts them to the plan's dtypes)."""
         state = self.model.state_dict()
         for bucket in self.buckets:
             full = {}

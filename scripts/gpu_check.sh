@@ -5,6 +5,7 @@
 #
 # The checks are tests/gpu/ (each module says what it measures and its bounds):
 #   - vLLM's GPU engine against transformers: sampled-token logprobs, dense and MoE, fp32 and bf16
+#   - a tied output head (tie_word_embeddings) following a weight update on vLLM's GPU engine
 #   - the bucketed NCCL weight sync with partial rollout (needs 2 GPUs: NCCL refuses two ranks on one)
 #   - vLLM's routed experts on the tiny MoE against the trainer's own top-k
 #   - NeMo AutoModel's native MoE class on CUDA, one step under routing replay

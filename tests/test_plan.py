@@ -87,7 +87,7 @@ def test_every_recipe_fits_its_cluster_and_the_readme_shows_its_plan():
 
 @pytest.mark.parametrize("flags,message", [
     (["--config", "recipes/qwen3-235b-a22b.yaml", "--actor.offload", "none"],
-     "trainer rank needs 91.5 GB of 80 GB: set --actor.offload optimizer, or --actor.world_size >= 64"),
+     "trainer rank needs 91.8 GB of 80 GB: set --actor.offload optimizer, or --actor.world_size >= 64"),
     (["--config", "recipes/deepseek-v3.yaml", "--cluster.gpu_memory_gb", "141"],
      "--engine.tensor_parallel_size 8: an engine GPU needs 170.0 GB for weights and workspace of 133.9 GB"),
     (["--config", "recipes/qwen3-30b-a3b.yaml", "--engine.tensor_parallel_size", "16"],

@@ -52,7 +52,7 @@ def make_plan(config: Config, model: dict, cluster: Cluster) -> Plan:
     model_shape = shape(model)
     layout = place(config, cluster)
     device_gb = cluster.gpu_gb if cluster.gpus else cluster.cpu_gb
-    engine = engine_memory(model_shape, config, device_gb)
+    engine = engine_memory(model_shape, config, device_gb, gpu=cluster.gpus > 0)
     trainer = trainer_memory(model_shape, config)
     return Plan(config, model_shape, cluster, layout, trainer, engine,
                 host_memory(config, model, model_shape, layout, trainer, cluster))
@@ -166,7 +166,7 @@ def _cpu_device_bytes(plan: Plan, node: int) -> float:
     """On a CPU cluster the trainer's and engines' memory is host memory too."""
     ranks = sum(1 for rank_node, _ in plan.layout.ranks if rank_node == node)
     engines = sum(1 for engine_node, _ in plan.layout.engines if engine_node == node)
-    return ranks * plan.trainer.total + engines * plan.engine.weights
+    return ranks * plan.trainer.total + engines * plan.engine.total
 
 
 def _trainer_fixes(plan: Plan, device_gb: float) -> list[str]:
@@ -202,11 +202,11 @@ def render(plan: Plan, model_path: str) -> str:
     config, s, cluster, layout = plan.config, plan.shape, plan.cluster, plan.layout
     actor, engine = config.actor, config.engine
     kind = "GPU" if cluster.gpus else "CPU"
-    experts = f" ({s.expert_params / 1e9:.2f}B in {s.experts} experts x {s.moe_layers} layers)" if s.experts else ""
-    lines = [f"# plan: {s.model_type}, {s.params / 1e9:.2f}B parameters{experts}, from {model_path}",
-             f"# cluster: {cluster.nodes} node(s) x " + (f"{cluster.gpus} GPUs of {cluster.gpu_gb:g} GB"
+    experts = f" ({_count_of(s.expert_params)} in {s.experts} experts x {s.moe_layers} layers)" if s.experts else ""
+    lines = [f"# plan: {s.model_type}, {_count_of(s.params)} parameters{experts}, from {model_path}",
+             f"# cluster: {cluster.nodes} node(s) x " + (f"{cluster.gpus} GPUs of {cluster.gpu_gb:.4g} GB"
                                                         if cluster.gpus else f"{cluster.cpus} CPUs")
-             + f", {cluster.cpu_gb:g} GB host memory each ({cluster.source})", "placement"]
+             + f", {cluster.cpu_gb:.4g} GB host memory each ({cluster.source})", "placement"]
     ep = " EP" if engine.expert_parallel else ""
     shared = " (shared with the trainer)" if layout.colocated else ""
     lines += _grouped([(node, f"TP {engine.tensor_parallel_size}{ep}, {kind}s {_span(devices)}{shared}")
@@ -236,7 +236,7 @@ def render(plan: Plan, model_path: str) -> str:
               _row(f"activations ({t.micro_batch_tokens} tokens{' / CP' if actor.context_parallel > 1 else ''})",
                    t.activations)]
     device_gb = cluster.gpu_gb if cluster.gpus else cluster.cpu_gb
-    lines.append(_row("total", t.total) + f" of {device_gb:g} GB" + _verdict(t.total, device_gb * GB))
+    lines.append(_row("total", t.total) + f" of {device_gb:.4g} GB" + _verdict(t.total, device_gb * GB))
     e = plan.engine
     lines += [f"engine, per {kind} ({engine.name} {engine.dtype}, TP {engine.tensor_parallel_size}{ep}, "
               f"{engine.data_parallel_size} replica(s))",
@@ -244,11 +244,12 @@ def render(plan: Plan, model_path: str) -> str:
               _row("workspace (assumed)", e.workspace),
               _row(f"KV cache ({e.kv_per_token / 1e3:.1f} kB/token)", max(e.kv_cache, 0.0))
               + f"  {e.sequences} sequences of {config.rollout.max_total_tokens} tokens at once",
-              _row("total", e.total) + f" of {e.budget / GB:.1f} GB (gpu_memory_utilization "
-              f"{engine.gpu_memory_utilization} of {device_gb:g} GB)"
-              + _verdict(e.weights + e.workspace, e.budget)]
+              _row("total", e.total) + (f" of {e.budget / GB:.1f} GB (gpu_memory_utilization "
+                                        f"{engine.gpu_memory_utilization} of {device_gb:.4g} GB)"
+                                        + _verdict(e.weights + e.workspace, e.budget) if cluster.gpus
+                                        else " (KV cache: VLLM_CPU_KVCACHE_SPACE GiB)")]
     lines.append("host memory, per node")
-    described = [(f"{sum(parts.values()) / GB:8.1f} GB of {cluster.cpu_gb:g} GB  ("
+    described = [(f"{sum(parts.values()) / GB:8.1f} GB of {cluster.cpu_gb:.4g} GB  ("
                   + (", ".join(f"{name} {value / GB:.1f} GB" for name, value in parts.items()) or "-") + ")")
                  for parts in plan.host]
     lines += [f"  {_nodes(start, end):<12} {described[start]}"
@@ -288,6 +289,10 @@ def _nodes(first: int, last: int) -> str:
 
 def _count(description: str) -> int:
     return int(description.split(" ", 1)[0])
+
+
+def _count_of(params: int) -> str:
+    return f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.2f}M"
 
 
 def _row(name: str, value: float) -> str:

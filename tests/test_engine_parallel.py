@@ -65,9 +65,12 @@ from molt_agents.engines.vllm_engine import VLLMEngine
 engine = VLLMEngine(sys.argv[1], max_model_len=512, speculative_config={
     "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
 prompt = [5, 6, 7, 8] * 4
-samples = asyncio.run(engine.generate(prompt, SamplingParams(max_tokens=24, n=16, seed=1, temperature=1.0)))
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
-print("worst", _check_against_transformers(model, prompt, samples))
+worst = 0.0
+for seed in range(1, 6):  # how often a request stops inside an accepted draft varies from run to run
+    samples = asyncio.run(engine.generate(prompt, SamplingParams(max_tokens=24, n=16, seed=seed, temperature=1.0)))
+    worst = max(worst, _check_against_transformers(model, prompt, samples))
+print("worst", worst)
 engine.close()
 """
 

@@ -94,32 +94,42 @@ def test_channel_broadcasts_every_bucket_exactly_to_every_receiver(engine_dtype)
     assert all(exact for _, _, exact in outcome), outcome
 
 
-@pytest.mark.parametrize("kind,backend", [("dense", "fsdp2"), ("moe", "automodel")])
-def test_an_engine_synced_in_bf16_holds_exactly_the_weights_of_the_fp32_sync(kind, backend, dense_dir, moe_dir):
-    """A bf16 engine loads the trainer's fp32 weights cast to bf16 (the engine casts on load); the sync in
-    bf16 casts first, on the trainer's side, and must leave the engine with the same bits. The MoE on
-    AutoModel's own class sends per-expert tensors, which the engine puts into its fused ones."""
+def _synced_weights(_index, model_dir: str, backend: str, out: str):
+    """In a process of its own (a one-rank trainer group): weights a step away from the checkpoint's, not
+    representable in bf16, as a checkpoint takes them and as the bf16 sync sends them, with the sync's metas."""
     from torch.distributed.tensor import DTensor
 
-    from molt_agents.engines import make_engine
     from molt_train.actor.policy import PolicyRank
     from molt_train.config import ActorConfig, AlgoConfig, TrainConfig
 
-    model_dir = dense_dir if kind == "dense" else moe_dir
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    rank = PolicyRank(str(model_dir), str(model_dir), 0, 1, f"tcp://127.0.0.1:{port}", TrainConfig(),
-                      AlgoConfig(kl_coef=0.0), ActorConfig(backend=backend), steps=1, engine_dtype="bfloat16")
+    rank = PolicyRank(model_dir, model_dir, 0, 1, f"tcp://127.0.0.1:{port}", TrainConfig(), AlgoConfig(kl_coef=0.0),
+                      ActorConfig(backend=backend), steps=1, engine_dtype="bfloat16")
     try:
         generator = torch.Generator().manual_seed(0)
-        with torch.no_grad():  # weights a step away from the checkpoint's, not representable in bf16
+        with torch.no_grad():
             for parameter in rank.model.parameters():  # (one AutoModel rank leaves the model unsharded)
                 local = parameter.to_local() if isinstance(parameter, DTensor) else parameter
                 local.add_(0.01 * torch.randn(local.shape, generator=generator))
-        fp32, bf16, metas = rank.full_weights(), rank.full_weights(for_sync=True), rank.weight_meta()
+        torch.save((rank.full_weights(), rank.full_weights(for_sync=True), rank.weight_meta()), out)
     finally:
         rank.close()
+
+
+@pytest.mark.parametrize("kind,backend", [("dense", "fsdp2"), ("moe", "automodel")])
+def test_an_engine_synced_in_bf16_holds_exactly_the_weights_of_the_fp32_sync(kind, backend, dense_dir, moe_dir,
+                                                                           tmp_path):
+    """A bf16 engine loads the trainer's fp32 weights cast to bf16 (the engine casts on load); the sync in
+    bf16 casts first, on the trainer's side, and must leave the engine with the same bits. The MoE on
+    AutoModel's own class sends per-expert tensors, which the engine puts into its fused ones."""
+    from molt_agents.engines import make_engine
+
+    model_dir = dense_dir if kind == "dense" else moe_dir
+    mp.start_processes(_synced_weights, args=(str(model_dir), backend, str(tmp_path / "weights.pt")), nprocs=1,
+                       start_method="spawn")
+    fp32, bf16, metas = torch.load(tmp_path / "weights.pt", weights_only=False)
     assert {t.dtype for t in fp32.values()} == {torch.float32}  # checkpoints stay fp32
     assert {m.dtype for m in metas} == {"bfloat16"} and metas == tensor_meta(bf16.items())
     engines = [make_engine("hf", model_dir, dtype="bfloat16") for _ in range(3)]

@@ -30,7 +30,7 @@ from molt_train.plan.memory import (
     engine_memory,
     trainer_memory,
 )
-from molt_train.plan.shape import Shape, shape
+from molt_train.plan.shape import Shape, shape, text_config
 
 # GPU memory by Ray's accelerator_type, for a live cluster whose --cluster.gpu_memory_gb is not given.
 ACCELERATOR_GB = {"H100": 80, "H200": 141, "H800": 80, "A100": 80, "A100-80G": 80, "A100-40G": 40, "B200": 180,
@@ -64,7 +64,8 @@ def host_memory(config: Config, model: dict, model_shape: Shape, layout: Layout,
     for node, _ in layout.ranks:
         if trainer.host:
             hosts[node]["offloaded states"] = hosts[node].get("offloaded states", 0.0) + trainer.host
-    stored = DTYPE_BYTES.get(model.get("torch_dtype") or model.get("dtype") or "float32") or 4
+    text = text_config(model)  # a vision-language model declares its dtype on its text model
+    stored = DTYPE_BYTES.get(text.get("torch_dtype") or text.get("dtype") or "float32") or 4
     load_bytes = (stored if config.actor.world_size > 1 else 4) * model_shape.params
     hosts[layout.ranks[0][0]]["checkpoint read by rank 0"] = load_bytes
     sync_bytes = model_shape.params * (DTYPE_BYTES[config.engine.dtype] or 4)
@@ -187,7 +188,7 @@ def _trainer_fixes(plan: Plan, device_gb: float) -> list[str]:
     if actor.offload == "none" and fits(offload="optimizer"):
         fixes.append("--actor.offload optimizer")
     step = actor.tensor_parallel * actor.context_parallel
-    for world in range(actor.world_size + 1, 65537):
+    for world in range(actor.world_size + 1, 16 * plan.cluster.nodes * plan.cluster.devices + 1):
         if world % step == 0 and world % actor.expert_parallel == 0 and fits(world_size=world):
             fixes.append(f"--actor.world_size >= {world}")
             break

@@ -5,8 +5,13 @@ the tiny dense, MoE and vision-language models (gloo ranks spawned here)
 under the CPU allocator's own accounting (the profiler's memory events: every
 byte allocated and freed, in order), and the highest total during a step of
 two micro-batches per rank is compared with the estimate of the same flags.
+The profiler records only the main thread's events, so a tensor whose last
+reference a gloo thread drops reads as never freed; the step therefore starts
+from the bytes of every tensor alive at its start, counted directly, and adds
+the profiler's rise within the step.
 """
 
+import gc
 import json
 import re
 import socket
@@ -139,6 +144,24 @@ def _micro_batches(vocab: int, budget: int, count: int, length: int = 128):
     return pack(items, budget)
 
 
+def _alive_bytes() -> int:
+    """The bytes of the CPU storages that every tensor alive in this process holds, each storage once."""
+    from torch.distributed.tensor import DTensor
+
+    storages = {}
+    for obj in gc.get_objects():
+        try:
+            if not isinstance(obj, torch.Tensor):
+                continue
+            tensor = obj._local_tensor if isinstance(obj, DTensor) else obj
+            if tensor.device.type == "cpu" and not tensor.is_meta:
+                storage = tensor.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        except (RuntimeError, ReferenceError):  # fake and functional tensors have no storage; dead weak proxies
+            continue
+    return sum(storages.values())
+
+
 def _measured_rank(rank, world, model_dir, actor, algo, train, port, out):
     """Two steps of a real PolicyRank under the profiler; the highest allocated total during the second."""
     from torch.profiler import ProfilerActivity, profile
@@ -152,19 +175,21 @@ def _measured_rank(rank, world, model_dir, actor, algo, train, port, out):
         mine = batches[rank // (actor.tensor_parallel * actor.context_parallel)::actor.data_parallel]
         step_tokens = int(sum(mb.mask.sum() for mb in batches))
         policy.step(mine, step_tokens)  # the first step allocates the optimizer's states
+        alive = _alive_bytes()
         marker = torch.empty(MARKER, dtype=torch.uint8)
         del marker
         policy.step(mine, step_tokens)
     events = sorted((event for event in profiler.profiler.kineto_results.events()
                      if event.name() == "[memory]" and event.device_type().name == "CPU"),
                     key=lambda event: event.start_ns())
-    allocated, peak, measuring = 0, 0, False
+    allocated, start, peak = 0, None, 0
     for event in events:
         allocated += event.nbytes()
-        measuring |= event.nbytes() == -MARKER
-        if measuring:
+        if event.nbytes() == -MARKER:
+            start = allocated
+        if start is not None:
             peak = max(peak, allocated)
-    torch.save(peak, f"{out}/rank{rank}.pt")
+    torch.save(alive + peak - start, f"{out}/rank{rank}.pt")
     policy.close()
 
 

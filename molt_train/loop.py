@@ -3,9 +3,17 @@
     for each step:
         groups   <- the rollout workers (generated ahead when async)
         batch    <- validate, staleness, advantages, dynamic filtering
-        stats    <- the trainer: recompute logprobs, IS-correct, loss, backward, optimizer step
+        stats    <- the trainer: old logprobs, IS-correct, loss, backward, optimizer step
         weights  -> the engines (pause, load, version + 1, resume)
         metrics, checkpoint
+
+Every step logs where its time went, as `time/*` seconds: `wait` (for the
+rollouts), `assemble`, `train` (= `pack` on the driver + `ray`, transfers and
+scheduling, + `rank_step`, the slowest rank's step: `logprobs`, a separate
+old-logprob forward, 0 when the training forward gives them, +
+`forward_backward` + `optimizer`), `sync`, `step` (all of it) and `elapsed`
+(since the loop began); `generate` is a group's mean time to generate (groups
+overlap each other, and training in async mode).
 
 Infrastructure (Ray actors, ports, placement) lives in `runtime`; this file
 is the loop and nothing else.
@@ -37,18 +45,20 @@ async def train(config, run_dir: Path, model_dir: str, console: Console) -> None
     progress = console.progress(config.steps, step)
     try:
         reported: set[str] = set()  # failure messages already shown
+        began = time.perf_counter()
         while step < config.steps:
             started = time.perf_counter()
             groups = await runtime.groups.take()
             waited = time.perf_counter() - started
 
             items, stats = assemble(groups, version, config.algo)
+            assembled = time.perf_counter() - started - waited
             example = stats.pop("episodes/failure_example", None)
             if example and example.splitlines()[0] not in reported:
                 reported.add(example.splitlines()[0])
                 progress.write(f"molt-train: step {step + 1}: an episode failed and was dropped:\n{example}",
                                file=console.terminal)
-            started = time.perf_counter()
+            stepped = time.perf_counter()
             if config.actor.colocate:  # the engines' GPU memory goes to the trainer for the step
                 await runtime.sleep_engines()
             if items:
@@ -57,18 +67,22 @@ async def train(config, run_dir: Path, model_dir: str, console: Console) -> None
                 stats |= dict.fromkeys(TRAIN_KEYS)
             if config.actor.colocate:
                 await runtime.wake_engines()
-            trained = time.perf_counter() - started
+            trained = time.perf_counter() - stepped
 
-            started = time.perf_counter()
+            syncing = time.perf_counter()
             if items:
                 version = await runtime.sync_weights()
-            synced = time.perf_counter() - started
+            synced = time.perf_counter() - syncing
 
             step += 1
-            stats |= {"version": version, "time/wait": waited,
+            ended = time.perf_counter()
+            stats |= {"version": version, "time/wait": waited, "time/assemble": assembled,
                       "time/generate": sum(g["seconds"] for g in groups) / len(groups), "time/train": trained,
-                      "time/sync": synced, "rollouts/lost_groups": runtime.groups.take_lost(),
-                      "throughput/tokens_per_s": stats["tokens/trained"] / max(waited + trained + synced, 1e-9)}
+                      "time/ray": None if stats["time/rank_step"] is None else
+                      max(trained - stats["time/rank_step"] - stats["time/pack"], 0.0),
+                      "time/sync": synced, "time/step": ended - started, "time/elapsed": ended - began,
+                      "rollouts/lost_groups": runtime.groups.take_lost(),
+                      "throughput/tokens_per_s": stats["tokens/trained"] / max(ended - started, 1e-9)}
             metrics.log(step, stats)
             progress.update(1)
             progress.set_postfix(reward=f"{stats['reward/mean']:.3f}", refresh=False)
@@ -85,7 +99,8 @@ async def train(config, run_dir: Path, model_dir: str, console: Console) -> None
 
 
 TRAIN_KEYS = ("loss", "clip_frac", "entropy", "kl", "grad_norm", "mismatch/kl", "mismatch/max_abs",
-              "mismatch/tokens", "offpolicy/kl", "offpolicy/tokens", "is/filtered_frac")
+              "mismatch/tokens", "offpolicy/kl", "offpolicy/tokens", "is/filtered_frac", "time/pack", "time/logprobs",
+              "time/forward_backward", "time/optimizer", "time/rank_step")
 
 
 def _train_stats(stats: StepStats) -> dict:
@@ -110,6 +125,10 @@ def _train_stats(stats: StepStats) -> dict:
         "offpolicy/kl": per(stats.offpolicy_kl_sum, stats.offpolicy_tokens),
         "offpolicy/tokens": stats.offpolicy_tokens,
         "is/filtered_frac": 1.0 - stats.kept_tokens / stats.tokens,
+        # Where the trainer's time went (time/ray, in the loop, is the rest of time/train: transfers, scheduling).
+        "time/pack": stats.seconds_pack, "time/logprobs": stats.seconds_logprobs,
+        "time/forward_backward": stats.seconds_forward_backward, "time/optimizer": stats.seconds_optimizer,
+        "time/rank_step": stats.seconds_step,
     }
 
 

@@ -59,7 +59,8 @@ def _plain(config) -> dict:
 PANELS = [
     ("reward", ["reward/mean"]),
     ("response length (tokens)", ["response_len/mean"]),
-    ("seconds per step", ["time/generate", "time/wait", "time/train", "time/sync"]),
+    ("seconds per step", ["time/step", "time/generate", "time/wait", "time/train", "time/sync"]),
+    ("trainer seconds per step", ["time/forward_backward", "time/logprobs", "time/optimizer", "time/ray"]),
     ("trainer vs engine", ["mismatch/kl", "offpolicy/kl", "is/filtered_frac"]),
 ]
 

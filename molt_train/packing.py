@@ -1,11 +1,17 @@
-"""Sequence packing: training items (one per trajectory segment) into micro-batches with no padding.
+"""Sequence packing: training items (one per trajectory segment) into micro-batches of rows.
 
-A micro-batch is one row: the items' tokens concatenated, with
-`position_ids` restarting at 0 for each; transformers turns restarting
-positions into a block-diagonal causal mask, so no sequence attends to
-another and no compute goes to padding. Micro-batches are filled up to a
-token budget, and dealt to the trainer ranks in equal numbers (FSDP ranks
-must run the same number of forward/backward passes).
+A micro-batch is a grid of rows as wide as its longest sequence, flattened
+row after row: each row holds whole sequences (first fit, longest first),
+its tokens concatenated with `position_ids` restarting at 0 for each, and
+the rest of the row is padding, a block of its own that trains nothing.
+transformers turns restarting positions into a block-diagonal causal mask,
+so no sequence attends to another, and attention costs the rows times the
+width squared instead of the square of all the tokens. Micro-batches are
+filled up to a token budget (padding included), and dealt to the trainer
+ranks in equal numbers (FSDP ranks must run the same number of
+forward/backward passes). `rows=False` packs each micro-batch as one row,
+without padding, in the items' order (for forwards that take one row:
+context-parallel splits, image inputs, NeMo AutoModel's own models).
 """
 
 from __future__ import annotations
@@ -42,17 +48,47 @@ class MicroBatch:
     ages: torch.Tensor  # [N] long, 0 where the trainer holds the weights that sampled the token
     routes: torch.Tensor | None = None  # [N, layers, top_k] int16 engine expert ids, -1 where unknown
     images: dict[str, torch.Tensor] | None = None  # the forward's image arguments, sequence after sequence
+    width: int = 0  # tokens per row (N is a whole number of rows); 0: one row
+
+    @property
+    def rows(self) -> int:
+        return self.num_tokens // self.width if self.width else 1
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
 
 
-def pack(items: list[TrainItem], token_budget: int) -> list[MicroBatch]:
-    """Pack `items` into micro-batches.
+def pack(items: list[TrainItem], token_budget: int, rows: bool = True) -> list[MicroBatch]:
+    """Pack `items` into micro-batches of at most `token_budget` tokens, padding included.
 
-    Greedy in the given order; a sequence longer than the budget gets a micro-batch of its own.
+    With `rows`, longest first: a micro-batch's rows are as wide as its first (longest) item and take each
+    later item into the first row with room; a sequence longer than the budget gets a micro-batch of its
+    own. Without, one row each, greedy in the given order.
     """
+    if not rows:
+        return [_micro_batch([[item] for item in group], None) for group in _greedy(items, token_budget)]
+    batches: list[list[list[TrainItem]]] = []  # micro-batch -> row -> items
+    widths: list[int] = []
+    free: list[int] = []  # tokens left in each row of the last micro-batch
+    for item in sorted(items, key=lambda item: -len(item.token_ids)):
+        n = len(item.token_ids)
+        row = next((r for r, left in enumerate(free) if left >= n), None)
+        if row is None:
+            if not batches or (len(free) + 1) * widths[-1] > token_budget:
+                batches.append([])
+                widths.append(n)
+                free = []
+            batches[-1].append([])
+            free.append(widths[-1])
+            row = len(free) - 1
+        batches[-1][row].append(item)
+        free[row] -= n
+    return [_micro_batch(batch, width) for batch, width in zip(batches, widths)]
+
+
+def _greedy(items: list[TrainItem], token_budget: int) -> list[list[TrainItem]]:
+    """The items in order, cut into groups of at most `token_budget` tokens (a longer item alone)."""
     groups, current, used = [], [], 0
     for item in items:
         n = len(item.token_ids)
@@ -63,12 +99,17 @@ def pack(items: list[TrainItem], token_budget: int) -> list[MicroBatch]:
         used += n
     if current:
         groups.append(current)
-    return [_micro_batch(group) for group in groups]
+    return groups
 
 
-def _micro_batch(items: list[TrainItem]) -> MicroBatch:
-    ids, positions, sequence, mask, advantages, logprobs, ages = [], [], [], [], [], [], []
-    for index, item in enumerate(items):
+def _micro_batch(rows: list[list[TrainItem]], width: int | None) -> MicroBatch:
+    """The items row by row; with a `width`, each row padded to it by a sequence of its own that trains nothing."""
+    ids, positions, sequence, mask, advantages, logprobs, ages, with_pads = [], [], [], [], [], [], [], []
+    for row in rows:
+        used = sum(len(item.token_ids) for item in row)
+        pad = [] if width is None or used == width else [_padding(width - used)]
+        with_pads += row + pad
+    for index, item in enumerate(with_pads):
         n = len(item.token_ids)
         ids += item.token_ids
         positions += range(n)
@@ -79,7 +120,12 @@ def _micro_batch(items: list[TrainItem]) -> MicroBatch:
         ages += item.ages
     return MicroBatch(torch.tensor(ids), torch.tensor(positions), torch.tensor(sequence),
                       torch.tensor(mask, dtype=torch.float32), torch.tensor(advantages, dtype=torch.float32),
-                      torch.tensor(logprobs, dtype=torch.float32), torch.tensor(ages), _routes(items), _images(items))
+                      torch.tensor(logprobs, dtype=torch.float32), torch.tensor(ages), _routes(with_pads),
+                      _images(with_pads), width=0 if width is None or len(rows) == 1 else width)
+
+
+def _padding(n: int) -> TrainItem:
+    return TrainItem(token_ids=[0] * n, mask=[0] * n, logprobs=[None] * n, ages=[0] * n, advantage=0.0)
 
 
 def _images(items: list[TrainItem]) -> dict[str, torch.Tensor] | None:
@@ -102,7 +148,7 @@ def _routes(items: list[TrainItem]) -> torch.Tensor | None:
 
 def empty_micro_batch() -> MicroBatch:
     """A one-token micro-batch that trains nothing, to even out the ranks' counts."""
-    return _micro_batch([TrainItem(token_ids=[0], mask=[0], logprobs=[None], ages=[0], advantage=0.0)])
+    return _micro_batch([[_padding(1)]], None)
 
 
 def deal(micro_batches: list[MicroBatch], world_size: int) -> list[list[MicroBatch]]:

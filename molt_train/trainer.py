@@ -2,13 +2,17 @@
 
 Every call goes to all ranks at once (they run collectives together); rank 0
 sends the weights to the engines (bucketed broadcast) or returns them whole.
-The batch is packed into micro-batches by token budget and dealt to the
+The batch is packed into micro-batches by token budget (grids of rows as
+wide as their longest sequence, see `packing`) and dealt to the
 data-parallel replicas in equal numbers (the tensor- and context-parallel
 ranks of a replica get the same ones); the replicas' step statistics are
 combined as each declares.
 """
 
 from __future__ import annotations
+
+import time
+from dataclasses import replace
 
 import ray
 
@@ -39,6 +43,8 @@ class TrainerGroup:
         self.data_parallel = config.actor.data_parallel
         self.replica_ranks = config.actor.world_size // self.data_parallel
         self.micro_batch_tokens, self.updates = config.train.micro_batch_tokens, config.train.updates_per_batch
+        # Packed grids of rows for the fsdp2 backend; one row for AutoModel (its own classes, context parallel).
+        self.rows = config.actor.backend == "fsdp2"
         actor = ray.remote(PolicyRank)
         self.ranks = [actor.options(**placement.trainer_rank(rank).options()).remote(
                           model_dir, start_dir, rank, self.world_size, f"tcp://{rendezvous}", config.train,
@@ -47,11 +53,15 @@ class TrainerGroup:
 
     async def step(self, items: list[TrainItem]) -> StepStats:
         """One optimizer step (or `updates_per_batch` of them) on `items`; the statistics of the whole group."""
-        shares = deal(pack(items, self.micro_batch_tokens), self.data_parallel)
+        started = time.perf_counter()
+        rows = self.rows and not any(item.images for item in items)
+        shares = deal(pack(items, self.micro_batch_tokens, rows), self.data_parallel)
         step_tokens = sum(sum(item.mask) for item in items)
+        packed = time.perf_counter() - started
         stats = await _gather([rank.step.remote(shares[index // self.replica_ranks], step_tokens, self.updates)
                                for index, rank in enumerate(self.ranks)])
-        return StepStats.reduce(stats[::self.replica_ranks])  # one rank per replica: its tokens counted once
+        # one rank per replica: its tokens counted once
+        return replace(StepStats.reduce(stats[::self.replica_ranks]), seconds_pack=packed)
 
     async def weights(self) -> dict:
         return (await _gather([rank.full_weights.remote(for_sync=True) for rank in self.ranks]))[0]

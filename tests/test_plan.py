@@ -133,15 +133,19 @@ def test_the_paper_s_optimizer_offload_figure():
 
 # ----------------------------------------------------------------------------- estimates vs measured peaks
 
-def _micro_batches(vocab: int, budget: int, count: int, length: int = 128):
+def _micro_batches(vocab: int, budget: int, count: int, width: int, rows: bool):
+    """The estimate's worst case, `count` micro-batches of `budget` tokens: every position trained, in rows
+    of `width` (one sequence as long, then two of half its length in each other row, so that the attention
+    masks cover every row); without `rows` one row each, as the packer gives AutoModel and image batches."""
     from molt_train.packing import TrainItem, pack
 
     generator, items = np.random.default_rng(0), []
-    for _ in range(count * budget // length):
-        mask = [0] * (length // 2) + [1] * (length // 2)
-        items.append(TrainItem(token_ids=generator.integers(3, vocab, length).tolist(), mask=mask,
-                               logprobs=[-1.0 if m else None for m in mask], ages=[0] * length, advantage=1.0))
-    return pack(items, budget)
+    for _ in range(count):
+        for length in [width] + [width // 2] * (2 * (budget // width - 1)):
+            mask = [0] + [1] * (length - 1)
+            items.append(TrainItem(token_ids=generator.integers(3, vocab, length).tolist(), mask=mask,
+                                   logprobs=[-1.0 if m else None for m in mask], ages=[0] * length, advantage=1.0))
+    return pack(items, budget, rows)
 
 
 def _alive_bytes() -> int:
@@ -171,7 +175,9 @@ def _measured_rank(rank, world, model_dir, actor, algo, train, port, out):
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
         policy = PolicyRank(model_dir, model_dir, rank, world, f"tcp://127.0.0.1:{port}", train, algo, actor, steps=2)
         vocab = policy.model.config.get_text_config().vocab_size
-        batches = _micro_batches(vocab, train.micro_batch_tokens, 2 * actor.data_parallel)
+        one_row = actor.backend == "automodel" or hasattr(policy.model.config, "vision_config")
+        batches = _micro_batches(vocab, train.micro_batch_tokens, 2 * actor.data_parallel, width=MAX_TOTAL_TOKENS,
+                                 rows=not one_row)
         mine = batches[rank // (actor.tensor_parallel * actor.context_parallel)::actor.data_parallel]
         step_tokens = int(sum(mb.mask.sum() for mb in batches))
         policy.step(mine, step_tokens)  # the first step allocates the optimizer's states
@@ -202,6 +208,7 @@ def _measured_peak(model_dir, actor: ActorConfig, algo: AlgoConfig, train: Train
     return max(torch.load(out / f"rank{rank}.pt") for rank in range(actor.world_size))
 
 
+MAX_TOTAL_TOKENS = 512
 SETTINGS = [
     ("dense", {}, 2048),
     ("dense", {"param_dtype": "bfloat16"}, 1024),
@@ -225,7 +232,8 @@ def test_the_trainer_estimate_matches_the_measured_peak(kind, actor, tokens, tmp
 
     model_dir = tiny_model(kind)
     config = Config(actor=ActorConfig(**actor), algo=AlgoConfig(kl_coef=0.1),
-                    train=TrainConfig(micro_batch_tokens=tokens), rollout=RolloutConfig(max_total_tokens=512))
+                    train=TrainConfig(micro_batch_tokens=tokens),
+                    rollout=RolloutConfig(max_total_tokens=MAX_TOTAL_TOKENS))
     estimate = trainer_memory(shape(_config(model_dir)), config)
     measured = _measured_peak(model_dir, config.actor, config.algo, config.train, tmp_path)
     estimated = estimate.total + estimate.host

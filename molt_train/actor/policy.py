@@ -20,6 +20,7 @@ their shards from it (`_load`, `_shard`).
 from __future__ import annotations
 
 import math
+import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, fields, replace
 from functools import partial
@@ -66,6 +67,13 @@ class StepStats:
     offpolicy_kl_sum: float = _reduced("sum", 0.0)
     routing_hits: int = _reduced("sum")  # MoE: tokens x layers where the trainer's top-k equals the engine's
     routing_compared: int = _reduced("sum")
+    # Seconds of the rank's step (the slowest rank's): the separate old-logprob forwards (0 when the training
+    # forward gives them), forwards and backwards, gradient clipping and optimizer steps, and the whole call.
+    seconds_logprobs: float = _reduced("max", 0.0)
+    seconds_forward_backward: float = _reduced("max", 0.0)
+    seconds_optimizer: float = _reduced("max", 0.0)
+    seconds_step: float = _reduced("max", 0.0)
+    seconds_pack: float = _reduced("max", 0.0)  # packing the micro-batches, on the driver (the trainer group's)
 
     @classmethod
     def reduce(cls, ranks: list[StepStats]) -> StepStats:
@@ -102,31 +110,41 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str, min
 
 
 def token_logprobs(model, mb: MicroBatch, with_entropy: bool = False, chunk_tokens: int = 0,
-                   shard: automodel.SequenceShard | None = None):
-    """Logprob of every token given the ones before it in its sequence ([N]; 0 at sequence starts), and
-    with `with_entropy` the entropy of each prediction; in fp32 whatever the model computes in.
+                   shard: automodel.SequenceShard | None = None, vocab_parallel: bool = False):
+    """Logprob of every trained token given the ones before it in its sequence ([N]; 0 where `mb.mask` is 0
+    and at sequence starts), and with `with_entropy` the entropy of each of those predictions; in fp32
+    whatever the model computes in.
 
-    With `chunk_tokens`, the model's output head returns these per-token values instead of logits,
-    computing them `chunk_tokens` positions at a time and recomputing each chunk in backward: the
-    [N, vocab] logits never exist whole (`actor.logprob_chunk_tokens`). With a context-parallel `shard`
-    (run inside its `attend`), the model sees this rank's piece of the row and the values of every
-    rank's piece are gathered whole."""
+    The model's output head returns these per-token values instead of logits, for the positions that
+    predict a trained token only (a prompt's, an environment turn's and the padding's never reach the
+    head), and with `chunk_tokens` that many positions at a time, recomputing each chunk in backward
+    (`actor.logprob_chunk_tokens`): the [N, vocab] logits never exist whole. With a context-parallel
+    `shard` (run inside its `attend`), the model sees this rank's piece of the row, the head maps all its
+    positions, and the values of every rank's piece are gathered whole. A head that cannot be replaced
+    (sharded on the vocabulary: `vocab_parallel`; soft-capped logits) returns the logits of every position."""
     input_ids, position_ids = (shard.input_ids, shard.position_ids) if shard else (mb.input_ids, mb.position_ids)
     targets = shard.targets if shard else mb.input_ids[1:]  # the token each position predicts
-    with _per_token_head(model, targets, chunk_tokens, with_entropy) if chunk_tokens else nullcontext():
+    softcapped = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+    per_token = chunk_tokens > 0 or not (vocab_parallel or softcapped)
+    trained = (mb.mask[1:] > 0) & (mb.position_ids[1:] != 0)  # (a sequence's first token has no prediction)
+    selected = None if shard else torch.nonzero(trained)[:, 0]  # the positions that predict a trained token
+    head = _per_token_head(model, targets, selected, chunk_tokens, with_entropy) if per_token else nullcontext()
+    with head:
         if automodel.is_native(model):
             out = automodel.native_logits(model, input_ids, position_ids)
         else:
             images = {name: as_model_input(tensor, model) for name, tensor in (mb.images or {}).items()}
-            out = model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False,
-                        **images).logits
+            rows = mb.rows if shard is None and not images else 1  # the packed grid, else one row
+            out = model(input_ids=input_ids.view(rows, -1), position_ids=position_ids.view(rows, -1),
+                        use_cache=False, **images).logits
     out = _full_tensor(out)  # tensor parallel: the logits come sharded on the vocabulary
-    columns = out[0] if chunk_tokens else _per_token(out[0, :len(targets)], targets, with_entropy)
+    columns = out[0] if per_token else _per_token(out.flatten(0, -2)[:len(targets)], targets, with_entropy)
     if shard:
         columns = automodel.gather_sequence(columns, shard)[:len(mb.input_ids) - 1]
-    starts = mb.position_ids[1:] == 0  # the first token of a packed sequence has no prediction
-    logprobs = torch.cat([columns.new_zeros(1), torch.where(starts, 0.0, columns[:, 0])])
-    entropy = torch.cat([columns.new_zeros(1), columns[:, 1]]) if with_entropy else None
+    elif per_token:  # back to every position, 0 where nothing is trained
+        columns = columns.new_zeros(len(targets), columns.shape[1]).index_copy(0, selected, columns)
+    logprobs = torch.cat([columns.new_zeros(1), torch.where(trained, columns[:, 0], 0.0)])
+    entropy = torch.cat([columns.new_zeros(1), torch.where(trained, columns[:, 1], 0.0)]) if with_entropy else None
     return logprobs, entropy
 
 
@@ -139,23 +157,29 @@ def _per_token(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool) 
 
 
 @contextmanager
-def _per_token_head(model, targets: torch.Tensor, chunk_tokens: int, with_entropy: bool):
+def _per_token_head(model, targets: torch.Tensor, selected: torch.Tensor | None, chunk_tokens: int,
+                    with_entropy: bool):
     """Within the model's own forward (so FSDP has gathered the head's weight), its output head maps the
-    hidden states [1, positions, hidden] to `_per_token` values [1, len(targets), 1 or 2] (the positions
-    that have a target), chunk by chunk."""
+    hidden states [rows, positions, hidden] of the `selected` positions (default: every position that has a
+    target) to `_per_token` values [1, selected, 1 or 2], all at once or `chunk_tokens` at a time."""
     from torch.utils.checkpoint import checkpoint
 
     if getattr(model.config.get_text_config(), "final_logit_softcapping", None):
         raise ValueError(f"--actor.logprob_chunk_tokens: {type(model).__name__} soft-caps its logits after the "
                          "output head, which the chunked head does not; use 0")
     head = model.get_output_embeddings()
+    chosen = targets if selected is None else targets[selected]
 
     def chunk(hidden, chunk_targets):
         return _per_token(torch.nn.functional.linear(hidden, head.weight, head.bias), chunk_targets, with_entropy)
 
     def forward(hidden):  # a new tensor, not a view: FSDP hooks its backward on the root's output
-        hidden = hidden[0, :len(targets)]
-        return torch.cat([checkpoint(chunk, hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens],
+        hidden = hidden.flatten(0, -2)[:len(targets)]  # the rows of the packed grid, end to end
+        if selected is not None:
+            hidden = hidden[selected]
+        if not chunk_tokens:
+            return torch.cat([chunk(hidden, chosen)[None]], dim=1)
+        return torch.cat([checkpoint(chunk, hidden[start:start + chunk_tokens], chosen[start:start + chunk_tokens],
                                      use_reentrant=False)[None]
                           for start in range(0, len(hidden), chunk_tokens)], dim=1)
 
@@ -177,6 +201,7 @@ class PolicyRank:
         self.rank, self.world_size, self.data_parallel = rank, world_size, actor.data_parallel
         self.engine_dtype = getattr(torch, engine_dtype)
         self.context_parallel = actor.context_parallel
+        self.vocab_parallel = actor.tensor_parallel > 1  # the output head is sharded on the vocabulary
         self.train_config, self.algo = train, algo
         self.chunk_tokens = actor.logprob_chunk_tokens
         self.device = fsdp.init_process_group(rank, world_size, init_method)
@@ -188,6 +213,7 @@ class PolicyRank:
         origin = "NeMo AutoModel's own" if automodel.is_native(model) else "transformers'"
         self.description = f"{origin} {type(model).__name__} on {world_size} {actor.backend} rank(s)"
         self.frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+        self.stochastic = stochastic(model)
         self.mesh = (automodel.device_mesh(actor.tensor_parallel, actor.context_parallel, actor.expert_parallel)
                      if actor.backend == "automodel" else None)
         self.model = self._shard(model, start_dir, actor)
@@ -268,9 +294,15 @@ class PolicyRank:
     # ------------------------------------------------------------------
 
     def step(self, micro_batches: list[MicroBatch], step_tokens: int, updates: int = 1) -> StepStats:
-        """One batch: recompute the logprobs, measure them against the engine's, train."""
-        prepared = self.logprobs(micro_batches)
-        trainer = torch.cat([p["old"] for p in prepared])
+        """One batch: the logprobs of the weights before the step, measured against the engine's; train.
+
+        With one update and a deterministic forward (no dropout, no router noise) those logprobs are the
+        training forward's own, detached: no separate forward computes them."""
+        started = time.perf_counter()
+        prepared = self.logprobs(micro_batches) if updates > 1 or self.stochastic else None
+        recomputed = time.perf_counter() - started
+        stats, old = self.train(micro_batches, prepared, step_tokens, updates)
+        trainer = torch.cat(old)
         engine = torch.cat([mb.engine_logprobs for mb in micro_batches])
         trained = torch.cat([mb.mask for mb in micro_batches]).bool()
         fresh = trained & (torch.cat([mb.ages for mb in micro_batches]) == 0)
@@ -278,10 +310,10 @@ class PolicyRank:
         mismatch_kl_sum, mismatch_max_abs = mismatch(trainer, engine, fresh)
         offpolicy_kl_sum, _ = mismatch(trainer, engine, stale)
         hits, compared = self.routing.take_agreement() if self.routing is not None else (0, 0)
-        stats = self.train(micro_batches, prepared, step_tokens, updates)
         return replace(stats, mismatch_tokens=int(fresh.sum()), mismatch_kl_sum=mismatch_kl_sum,
                        mismatch_max_abs=mismatch_max_abs, offpolicy_tokens=int(stale.sum()),
-                       offpolicy_kl_sum=offpolicy_kl_sum, routing_hits=hits, routing_compared=compared)
+                       offpolicy_kl_sum=offpolicy_kl_sum, routing_hits=hits, routing_compared=compared,
+                       seconds_logprobs=recomputed, seconds_step=time.perf_counter() - started)
 
     @torch.no_grad()
     def logprobs(self, micro_batches: list[MicroBatch]) -> list[dict]:
@@ -291,31 +323,45 @@ class PolicyRank:
         for mb in micro_batches:
             shard = self._split(mb)
             with self._passes(mb, shard, measure=True):
-                current, _ = token_logprobs(self.model, mb, chunk_tokens=self.chunk_tokens, shard=shard)
-            with shard.attend() if shard else nullcontext():
-                reference = (token_logprobs(self.reference, mb, chunk_tokens=self.chunk_tokens, shard=shard)[0]
-                             if self.reference is not None else None)
-            out.append({"old": current, "ref": reference})
+                current, _ = token_logprobs(self.model, mb, chunk_tokens=self.chunk_tokens, shard=shard,
+                                            vocab_parallel=self.vocab_parallel)
+            out.append({"old": current, "ref": self._reference_logprobs(mb, shard)})
         return out
 
-    def train(self, micro_batches: list[MicroBatch], prepared: list[dict], step_tokens: int,
-              updates: int = 1) -> StepStats:
-        """`updates` optimizer steps over the micro-batches (split evenly)."""
-        algo = self.algo
+    @torch.no_grad()
+    def _reference_logprobs(self, mb: MicroBatch, shard: automodel.SequenceShard | None) -> torch.Tensor | None:
+        if self.reference is None:
+            return None
+        with shard.attend() if shard else nullcontext():
+            return token_logprobs(self.reference, mb, chunk_tokens=self.chunk_tokens, shard=shard,
+                                  vocab_parallel=self.vocab_parallel)[0]
+
+    def train(self, micro_batches: list[MicroBatch], prepared: list[dict] | None, step_tokens: int,
+              updates: int = 1) -> tuple[StepStats, list[torch.Tensor]]:
+        """`updates` optimizer steps over the micro-batches (split evenly), from the `prepared` logprobs, or
+        (one update) the training forward's own; the statistics, and the old logprobs of each micro-batch."""
+        algo, started = self.algo, time.perf_counter()
         self.model.train()
         stats = StepStats(tokens=int(sum(mb.mask.sum() for mb in micro_batches)),
                           entropy_sum=0.0 if algo.entropy_coef > 0 else None,
                           kl_sum=0.0 if self.reference is not None else None)
+        olds = [p["old"] for p in prepared] if prepared is not None else []
         # Token-level aggregation over the optimizer step; FSDP averages over the data- and context-parallel
         # ranks, so scale back up (tensor-parallel ranks hold the same micro-batches; context-parallel ones
         # each compute the whole loss and send back their piece's gradient, see `automodel.gather_sequence`).
         scale = self.data_parallel * self.context_parallel * updates / max(step_tokens, 1)
         for update in range(updates):
-            for mb, p in zip(micro_batches[update::updates], prepared[update::updates]):
+            for index in range(update, len(micro_batches), updates):
+                mb = micro_batches[index]
                 shard = self._split(mb)
-                with self._passes(mb, shard):
+                with self._passes(mb, shard, measure=prepared is None):
                     logprobs, entropy = token_logprobs(self.model, mb, algo.entropy_coef > 0, self.chunk_tokens,
-                                                       shard)
+                                                       shard, self.vocab_parallel)
+                if prepared is None:
+                    p = {"old": logprobs.detach(), "ref": self._reference_logprobs(mb, shard)}
+                    olds.append(p["old"])
+                else:
+                    p = prepared[index]
                 weights, keep = importance_weights(p["old"], mb.engine_logprobs, mb.mask, mb.sequence,
                                                    algo.is_level, algo.is_mode, algo.is_low, algo.is_high)
                 mask = mb.mask * keep
@@ -342,13 +388,16 @@ class PolicyRank:
                 stats.loss_sum += float(loss.detach())
                 stats.clipped_tokens += float(clipped) * float(mask.sum())
                 stats.kept_tokens += int(mask.sum())
+            stepping = time.perf_counter()
             norm = (automodel.clip_gradients(self.model, self.mesh, self.train_config.grad_clip) if self.mesh
                     else torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_config.grad_clip))
             stats.grad_norm += float(_full_tensor(norm)) / updates
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-        return stats
+            stats.seconds_optimizer += time.perf_counter() - stepping
+        stats.seconds_forward_backward = time.perf_counter() - started - stats.seconds_optimizer
+        return stats, olds
 
     # ------------------------------------------------------------------
 
@@ -436,6 +485,16 @@ class PolicyRank:
 
     def close(self) -> None:
         fsdp.destroy_process_group()
+
+
+def stochastic(model: torch.nn.Module) -> bool:
+    """Whether the model's training forward draws random numbers: dropout (a module, or a config rate such as
+    `attention_dropout`) or router jitter noise above 0."""
+    config = model.config.get_text_config()
+    rates = [value for key, value in vars(config).items()
+             if isinstance(value, (int, float)) and ("dropout" in key or "pdrop" in key or "jitter" in key)]
+    return any(rate > 0 for rate in rates) or any(
+        isinstance(module, torch.nn.Dropout) and module.p > 0 for module in model.modules())
 
 
 def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,13 @@ Pure arithmetic, no torch. What each term counts, per trainer rank:
   autograd saves per token and decoder block, with the blocks' inputs only
   where they are checkpointed and one block recomputed at a time, plus the
   attention mask and the output head's `[tokens, vocab]` fp32 log-softmax
-  and its backward (per chunk with `actor.logprob_chunk_tokens`).
+  and its backward (per chunk with `actor.logprob_chunk_tokens`), in the
+  worst case: every position trained (the head maps only the positions that
+  predict a trained token), and rows as wide as an episode
+  (`rollout.max_total_tokens`) holding several sequences each, so that the
+  masks cover rows x width^2 token pairs; a single row of all the tokens
+  with the AutoModel backend and for vision-language models, which the
+  packer gives one row.
 
 The per-token coefficients of a block are counted on transformers' Qwen3 and
 Qwen3-MoE blocks (the tensors autograd saves, in units of the compute dtype's
@@ -42,7 +48,7 @@ MOE_COEFFICIENTS = {4: (2.12, 3.99, 1.51, 29.1), 2: (2.17, 4.01, 3.39, 34.2)}
 HEAD_BYTES = {4: 10.9, 2: 8.6}
 BOOL_MASKS = 3  # bytes per token pair: the boolean block-causal masks transformers builds for packed sequences
 ADDITIVE_MASK = 0.725  # compute-dtype elements per token pair that each block not checkpointed still holds
-# (AutoModel's own MoE classes with checkpointing hold 4 more bytes per token pair: an fp32 copy of the mask.)
+CHECKPOINTED_MASK = 4  # bytes per token pair more with checkpointed blocks (an fp32 copy of the mask, measured)
 ENGINE_WORKSPACE_GB = 2.0  # vLLM on a GPU beside weights and cache: CUDA context, graphs, sampler buffers (assumed)
 ENGINE_BATCH_SEQS = 256  # vLLM's default max_num_seqs: fp32 logits of this many sequences at once
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": None, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
@@ -130,14 +136,16 @@ def activation_bytes(shape: Shape, config: Config, tokens: int, compute: int) ->
     checkpointed = set(range(0, shape.layers, every)) if every else set()
     saved = [kept_input if index in checkpointed else size for index, size in enumerate(per_block)]
     plain_mask = ADDITIVE_MASK * compute  # per token pair, held by each block that is not checkpointed
-    masks = BOOL_MASKS + (4 if checkpointed and actor.backend == "automodel" and shape.experts else 0)
+    masks = BOOL_MASKS + (CHECKPOINTED_MASK if checkpointed else 0)
     # Backward's high points: the output head's, with every block's saved tensors still held; and each
     # checkpointed block's recompute, once the blocks after it have given theirs back.
     chunk = min(actor.logprob_chunk_tokens or tokens, tokens)
+    one_row = actor.backend == "automodel" or shape.vision_params > 0
+    width = tokens if one_row else min(tokens, config.rollout.max_total_tokens)  # a packed row's
     head = (tokens * sum(saved) + HEAD_BYTES[compute] * chunk * shape.vocab
-            + tokens * tokens * (masks + (shape.layers - len(checkpointed)) * plain_mask))
+            + tokens * width * (masks + (shape.layers - len(checkpointed)) * plain_mask))
     recomputes = [tokens * (sum(saved[:index + 1]) + per_block[index])
-                  + tokens * tokens * (masks + sum(plain_mask for i in range(index) if i not in checkpointed))
+                  + tokens * width * (masks + sum(plain_mask for i in range(index) if i not in checkpointed))
                   for index in checkpointed]
     return max([head, *recomputes])
 

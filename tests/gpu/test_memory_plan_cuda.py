@@ -63,3 +63,27 @@ def test_the_trainer_estimate_matches_the_cuda_peak(actor, dense_dir, record_pro
     record_property("measured_mib", round(measured / 2**20, 2))
     record_property("estimate_over_measured", round(ratio, 3))
     assert abs(ratio - 1) <= BOUND
+
+
+def _model_memory(worker) -> int:
+    return worker.model_runner.model_memory_usage  # vLLM's own count of the weights it loaded on the GPU
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_the_engine_weight_estimate_matches_vllm_s_loaded_weights(kind, vllm_engines, request, record_property):
+    from molt_train.config import Config, EngineConfig
+    from molt_train.plan.memory import engine_memory
+    from molt_train.plan.shape import shape
+
+    from .conftest import GPU_ENGINE_ARGS
+
+    model_dir = request.getfixturevalue(f"{kind}_dir")
+    engine = vllm_engines.get(model_dir, dtype="bfloat16", **GPU_ENGINE_ARGS)
+    measured = engine._engine.collective_rpc(_model_memory)[0]
+    config = Config(engine=EngineConfig(dtype="bfloat16"))
+    estimate = engine_memory(shape(json.loads((Path(model_dir) / "config.json").read_text())), config, 141).weights
+    ratio = estimate / measured
+    record_property("estimated_mib", round(estimate / 2**20, 3))
+    record_property("measured_mib", round(measured / 2**20, 3))
+    record_property("estimate_over_measured", round(ratio, 3))
+    assert abs(ratio - 1) <= BOUND

@@ -5,16 +5,22 @@ The route is a translation onto the chat route, so the checks are the chat
 route's: the captured sampled tokens carry the engine's logprobs (equal to an
 independent transformers forward), and a tool episode played through the
 Messages API leaves the trajectory that Chat Completions leaves, token for token.
+Extended thinking is checked on a policy fine-tuned to reason in the tiny
+template's `<think>` format: its reasoning comes back as a thinking block, and
+sent back, stitches onto the sampled tokens.
 """
 
 import anthropic
 import httpx
 import pytest
 import torch
+from conftest import memorize, run
 from test_loopback import QUESTION, TOOLS, _max_trained_logprob_error, _post, tool_policy  # noqa: F401
 from test_loopback_responses import _chat_episode
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from molt_agents.chat_template import ReasoningFormat, reasoning_format, render_text
+from molt_agents.loopback import Loopback
 from molt_agents.loopback.anthropic import stop_sequence
 from molt_env.trajectory import check
 
@@ -118,7 +124,16 @@ ASK_BODY = {"model": "policy", "messages": [{"role": "user", "content": "x"}], "
     ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "python"}]}]},
      "messages[0].content[0].input"),
     ({"system": [{"type": "image"}]}, "system"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking.budget_tokens"),  # not below max_tokens
+    ({"thinking": {"type": "enabled", "budget_tokens": 1023}, "max_tokens": 2048}, "thinking.budget_tokens"),
+    ({"thinking": {"type": "enabled"}, "max_tokens": 2048}, "thinking.budget_tokens"),
+    ({"thinking": {"type": "sometimes"}}, "thinking.type"),
+    ({"thinking": {"type": "adaptive", "display": "omitted"}}, "thinking.display"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "redacted_thinking", "data": "x"}]}]},
+     "messages[0].content[0].type"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "text", "text": "a"},
+                                                     {"type": "thinking", "thinking": "b", "signature": "s"}]}]},
+     "messages[0].content[1]"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
     ({"tools": [{"name": "python"}]}, "tools[0]"),
     ({"tool_choice": {"type": "any"}}, "tool_choice"),
@@ -155,3 +170,138 @@ def test_x_api_key_is_accepted_and_errors_keep_anthropics_shape(loopback):
     ("a b END c STOP", ["STOP", "END"], "END"), ("no stop here", ["END"], None), ("x", [], None)])
 def test_the_stop_sequence_is_the_earliest_found(text, stop, expected):
     assert stop_sequence(text, stop) == expected
+
+
+# --------------------------------------------------------------------------
+# Extended thinking
+
+THOUGHT, ANSWER = "17 * 23 = 17 * 20 + 17 * 3 = 340 + 51.", "The answer is 391."
+REASONED = "<think>\n" + THOUGHT + "\n</think>\n\n" + ANSWER  # the reply as the tiny template writes it
+
+
+def _without_reasoning(tokenizer):
+    """The tiny tokenizer with a chat template that never writes `reasoning_content`."""
+    tokenizer.chat_template = tokenizer.chat_template.replace("message.reasoning_content", "none")
+    return tokenizer
+
+
+def test_the_reasoning_format_is_read_off_the_chat_template_and_split_inverts_it(dense_dir):
+    tokenizer = AutoTokenizer.from_pretrained(dense_dir)
+    fmt = reasoning_format(tokenizer)
+    assert fmt == ReasoningFormat("<think>\n", "\n</think>\n\n")
+    assert reasoning_format(_without_reasoning(AutoTokenizer.from_pretrained(dense_dir))) is None
+
+    ask = [{"role": "user", "content": ASK}]
+    prompt = render_text(tokenizer, ask)
+    ended = "<|im_end|>\n"
+    for reply, expected, rendered in [
+        (REASONED, (THOUGHT, ANSWER), REASONED + ended),
+        ("<think>\n" + THOUGHT, (THOUGHT, ""), REASONED.removesuffix(ANSWER) + ended),  # cut short: closed after
+        ("<think>" + THOUGHT + "</think>" + ANSWER, None, None),  # not the template's spacing: text
+        ("<think>\n\n</think>\n\n" + ANSWER, None, None),  # empty reasoning: text
+        (ANSWER, None, None),
+    ]:
+        reasoning, rest = fmt.split(reply)
+        assert (reasoning, rest) == (expected or (None, reply)), reply
+        message = {"role": "assistant", "content": rest}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+        # The turn sent back re-renders as sampled, so the next request stitches onto the sampled tokens.
+        expected_text = prompt + (rendered or reply + ended)
+        assert render_text(tokenizer, [*ask, message], add_generation_prompt=False) == expected_text, reply
+
+
+@pytest.fixture
+def thinking_policy(loopback, dense_dir):
+    """The tiny model fine-tuned to answer ASK by reasoning in `<think>` first, loaded into the engine."""
+    state = memorize(dense_dir, [[{"role": "user", "content": ASK},
+                                  {"role": "assistant", "reasoning_content": THOUGHT, "content": ANSWER}]], steps=40)
+    run(loopback.engine.update_weights(list(state.items())))
+    yield state
+    original = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32)
+    run(loopback.engine.update_weights(list(original.state_dict().items())))
+
+
+def _thinking_episode(loopback, stream_first: bool):
+    """Ask with thinking on (streamed or not), send the thinking block back, ask again; returns both replies
+    and the session's trajectories."""
+    session = loopback.open_session(defaults={"seed": 0}).id
+    client = _client(loopback, session)
+    messages = [{"role": "user", "content": ASK}]
+    if stream_first:  # adaptive: the policy decides whether to reason; no budget to set
+        with client.messages.stream(model="policy", messages=messages, max_tokens=64,
+                                    thinking={"type": "adaptive"}) as stream:
+            starts, deltas = [], []
+            for event in stream:
+                if event.type == "content_block_start":
+                    starts.append(event.content_block.type)
+                elif event.type == "content_block_delta":
+                    deltas.append(event.delta.type)
+            first = stream.get_final_message()
+        signed = deltas.index("signature_delta")  # the thinking deltas, its signature, then the text deltas
+        assert starts == ["thinking", "text"] and signed > 1, (starts, deltas)
+        assert set(deltas[:signed]) == {"thinking_delta"} and set(deltas[signed + 1:]) == {"text_delta"}, deltas
+    else:
+        first = client.messages.create(model="policy", messages=messages, max_tokens=1100,
+                                       thinking={"type": "enabled", "budget_tokens": 1024})
+    assert [block.type for block in first.content] == ["thinking", "text"], first.content
+    assert first.content[0].thinking == THOUGHT and first.content[0].signature
+    assert first.content[1].text == ANSWER and first.stop_reason == "end_turn"
+    # The agent sends the blocks back as they came, as Anthropic asks; thinking need not be on to do so.
+    messages += [{"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in first.content]},
+                 {"role": "user", "content": "Go on."}]
+    second = client.messages.create(model="policy", messages=messages, max_tokens=8)
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    return first, second, loopback.finish(session, reward=1.0)
+
+
+def test_thinking_blocks_carry_the_sampled_reasoning_and_stitch_token_exact(loopback, thinking_policy, dense_dir):
+    model = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32)
+    model.load_state_dict(thinking_policy)
+    tokenizer = loopback.tokenizer
+    episodes = []
+    for stream_first in (False, True):
+        first, second, trajectories = _thinking_episode(loopback, stream_first)
+        (trajectory,) = trajectories  # one segment: the second request extended the first reply's tokens
+        check(trajectory)
+        assert trajectory.num_trainable == first.usage.output_tokens + second.usage.output_tokens
+        start = trajectory.mask.index(1)
+        reply_ids = trajectory.token_ids[start: start + first.usage.output_tokens]
+        assert all(trajectory.mask[start: start + len(reply_ids)])
+        assert tokenizer.decode(reply_ids) == REASONED + "<|im_end|>"  # the reasoning tokens are trained as sampled
+        error = _max_trained_logprob_error(model, trajectory)
+        print(f"anthropic thinking (stream_first={stream_first}): {trajectory.num_trainable} sampled tokens, "
+              f"max |engine - transformers| logprob = {error:.2e}")
+        assert error < 1e-5
+        episodes.append(trajectory.token_ids[: start + len(reply_ids)])
+    assert episodes[0] == episodes[1]
+
+    # Without thinking on, the same reply is one text block, markup and all.
+    session = loopback.open_session(defaults={"seed": 0}).id
+    reply = _client(loopback, session).messages.create(model="policy", messages=[{"role": "user", "content": ASK}],
+                                                        max_tokens=64)
+    assert [(block.type, block.text) for block in reply.content] == [("text", REASONED)]
+    loopback.finish(session, reward=0.0)
+
+
+def test_without_a_reasoning_format_thinking_is_refused(vllm_engines, dense_dir):
+    tokenizer = _without_reasoning(AutoTokenizer.from_pretrained(dense_dir))
+    server = Loopback(vllm_engines.get(dense_dir), tokenizer, max_model_len=512).start()
+    try:
+        session = server.open_session().id
+        thinking = {"type": "enabled", "budget_tokens": 1024}
+        thought = {"role": "assistant", "content": [{"type": "thinking", "thinking": "b", "signature": "s"}]}
+        for path, body, param in [("messages", {**ASK_BODY, "thinking": thinking, "max_tokens": 2048}, "thinking"),
+                                  ("messages/count_tokens", {"messages": ASK_BODY["messages"], "thinking": thinking},
+                                   "thinking"),
+                                  ("messages", {**ASK_BODY, "messages": [thought, *ASK_BODY["messages"]]},
+                                   "messages[0].content[0].type")]:
+            response = _post(server, f"/s/{session}/v1/{path}", body)
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["type"] == "invalid_request_error" and param in error["message"], error
+            assert "no reasoning format" in error["message"], error
+        assert _post(server, f"/s/{session}/v1/messages", ASK_BODY).status_code == 200  # the rest still works
+        assert server.finish(session, reward=0.0)[0].num_trainable > 0
+    finally:
+        server.stop()

@@ -41,7 +41,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from molt_agents.chat_template import render_text
+from molt_agents.chat_template import ReasoningFormat, reasoning_format, render_text
 from molt_agents.engines.base import SamplingParams
 from molt_agents.loopback import anthropic, protocol, responses, streaming
 from molt_agents.loopback.anthropic import CountTokensRequest, MessagesRequest
@@ -70,6 +70,7 @@ class Loopback:
                  on_finish: Callable[[list[Trajectory]], None] | None = None, vision=None,
                  image_limits: ImageLimits = ImageLimits()):
         self.engine, self.tokenizer = engine, tokenizer
+        self.reasoning = reasoning_format(tokenizer)  # where the template writes reasoning, if it does
         self.vision, self.image_limits = vision, image_limits
         self.model_name, self.host, self.port = model_name, host, port
         self.api_key = api_key or secrets.token_urlsafe(24)
@@ -250,9 +251,9 @@ class Loopback:
         async def messages_api(session_id: str, request: Request):
             body = protocol.parse(MessagesRequest, await self._read_json(request))
             session = self._session(session_id)
-            chat = anthropic.chat_request(body)
+            chat = anthropic.chat_request(body, self.reasoning)
             find_chat_base = await self._chat_base(session, chat, param="messages")
-            reply = anthropic.Reply(self.model_name)
+            reply = anthropic.Reply(self.model_name, self.reasoning if body.thinks else None)
 
             def find_base():
                 base = find_chat_base()
@@ -261,7 +262,8 @@ class Loopback:
 
             def build(chat_body, base, samples, stop) -> dict:
                 stopped_by = anthropic.stop_sequence(self._reply_text(samples[0], []), stop)
-                return reply.message(self._chat_response(chat_body, base, samples, stop), stopped_by)
+                return reply.message(self._chat_response(chat_body, base, samples, stop, reply.reasoning),
+                                     stopped_by)
 
             return await self._respond(session, find_base, chat, 0, build, Wire(reply.events, reply.error))
 
@@ -269,7 +271,7 @@ class Loopback:
         async def count_tokens(session_id: str, request: Request):
             body = protocol.parse(CountTokensRequest, await self._read_json(request))
             self._session(session_id)
-            messages, tools = anthropic.chat_messages(body)
+            messages, tools = anthropic.chat_messages(body, self.reasoning)
             rendered = self._render(ChatRequest(messages=messages, tools=tools), param="messages")
             return {"input_tokens": len(self.tokenizer.encode(rendered, add_special_tokens=False))}
 
@@ -415,13 +417,19 @@ class Loopback:
         return [protocol.token_logprob(self.tokenizer, t, lp, top)
                 for t, lp, top in zip(sample.token_ids, sample.logprobs, tops)]
 
-    def _chat_response(self, body: ChatRequest, base, samples, stop: list[str]) -> dict:
+    def _chat_response(self, body: ChatRequest, base, samples, stop: list[str],
+                       reasoning: ReasoningFormat | None = None) -> dict:
+        """The chat completion of `samples`; with `reasoning`, a reply's leading reasoning is split off into
+        the message's `reasoning_content` (as vLLM's reasoning parsers do) before tool calls are parsed."""
         prompt_len = len(base.token_ids) - len(samples[0].token_ids)
         out = []
         for index, sample in enumerate(samples):
             text = self._reply_text(sample, stop)
+            thought, text = reasoning.split(text) if reasoning else (None, text)
             content, tool_calls = parse_reply(text) if body.tool_choice != "none" and body.tools else (text, [])
             message = {"role": "assistant", "content": content}
+            if thought is not None:
+                message["reasoning_content"] = thought
             if tool_calls:
                 message["tool_calls"] = tool_calls
             finish_reason = "tool_calls" if tool_calls else sample.finish_reason

@@ -239,6 +239,25 @@ class LogConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Evaluation on held-out episodes (environment seeds training never draws, molt_env.split), on the rollout
+    engines between steps; logged as eval/* and never trained on."""
+
+    every: int = 0
+    """Evaluate after every this many steps and after the last one; 0 = not during training (see at_start)."""
+    at_start: bool = False
+    """Evaluate the initial policy before the first step (logged as step 0)."""
+    episodes: int = 64
+    """Held-out episodes per evaluation: evaluation seeds 0 .. N-1, the same at every evaluation and in molt-eval."""
+    samples: int = 1
+    """Samples per episode, the k of pass@k (pass@1 and pass@k by Chen et al.'s unbiased estimator)."""
+    temperature: float = 0.0
+    """Sampling temperature of evaluation; 0 = greedy."""
+    pass_threshold: float = 1.0
+    """An episode passes (for pass@k) when its reward is at least this; a failed episode scores 0."""
+
+
+@dataclass
 class Config:
     """A Molt run."""
 
@@ -269,6 +288,7 @@ class Config:
     ray: RayConfig = field(default_factory=RayConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
 
@@ -314,6 +334,8 @@ def validate(config: Config) -> None:
     need(config.algo.max_staleness >= 0, "algo.max_staleness", "must be >= 0")
     need(config.algo.is_low <= config.algo.is_high, "algo.is_low", "must be <= --algo.is_high")
     need(config.ckpt.every >= 0, "ckpt.every", "must be >= 0")
+    need(config.eval.every >= 0, "eval.every", "must be >= 0 (0: not during training)")
+    validate_eval(config.eval, need)
     engine = config.engine
     need(engine.data_parallel_size >= 1, "engine.data_parallel_size", "must be >= 1")
     need(engine.tensor_parallel_size >= 1, "engine.tensor_parallel_size", "must be >= 1")
@@ -335,6 +357,15 @@ def validate(config: Config) -> None:
                                                                           "reinforce_pp_baseline")),
          "algo.estimator", f"{config.algo.estimator} needs --rollout.group_size >= 2 for its group baseline")
     need(not (config.resume and config.out is None), "resume", "needs --out RUN_DIR of the run to continue")
+
+
+def validate_eval(evaluation: EvalConfig, need, prefix: str = "eval.") -> None:
+    """The evaluation's own flags (also molt-eval's, which spells them without `prefix`)."""
+    need(evaluation.episodes >= 1, f"{prefix}episodes", "must be >= 1")
+    need(evaluation.samples >= 1, f"{prefix}samples", "must be >= 1 (the k of pass@k)")
+    need(evaluation.temperature >= 0, f"{prefix}temperature", "must be >= 0 (0: greedy)")
+    need(evaluation.samples == 1 or evaluation.temperature > 0, f"{prefix}samples",
+         f"{evaluation.samples} greedy samples are all the same: set --{prefix}temperature above 0 for pass@k")
 
 
 def _validate_actor_parallel(actor: ActorConfig, need) -> None:

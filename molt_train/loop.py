@@ -5,13 +5,14 @@
         batch    <- validate, staleness, advantages, dynamic filtering
         stats    <- the trainer: old logprobs, IS-correct, loss, backward, optimizer step
         weights  -> the engines (pause, load, version + 1, resume)
+        eval     <- held-out episodes on the engines, when due (`evaluate`; never trained on)
         metrics, checkpoint
 
 Every step logs where its time went, as `time/*` seconds: `wait` (for the
 rollouts), `assemble`, `train` (= `pack` on the driver + `ray`, transfers and
 scheduling, + `rank_step`, the slowest rank's step: `logprobs`, a separate
 old-logprob forward, 0 when the training forward gives them, +
-`forward_backward` + `optimizer`), `sync`, `step` (all of it) and `elapsed`
+`forward_backward` + `optimizer`), `sync`, `eval` (at steps that evaluate), `step` (all of it) and `elapsed`
 (since the loop began); `generate` is a group's mean time to generate (groups
 overlap each other, and training in async mode).
 
@@ -29,6 +30,7 @@ from molt_train import checkpoint
 from molt_train.actor.policy import StepStats
 from molt_train.batch import assemble
 from molt_train.console import Console
+from molt_train.evaluate import Evaluator
 from molt_train.metrics import Metrics, plot
 from molt_train.runtime import Runtime
 
@@ -43,7 +45,11 @@ async def train(config, run_dir: Path, model_dir: str, console: Console) -> None
     metrics = Metrics(run_dir, config, resume_step=state["step"])
     step, version = state["step"], state["version"]
     progress = console.progress(config.steps, step)
+    evaluator = Evaluator(config, runtime.workers, recover=runtime.check_workers)
     try:
+        if step == 0 and evaluator.due(0):  # the initial policy, as step 0
+            metrics.log(0, await evaluator.run())
+            progress.set_postfix(eval=f"{evaluator.last_reward:.3f}")
         reported: set[str] = set()  # failure messages already shown
         began = time.perf_counter()
         while step < config.steps:
@@ -75,6 +81,8 @@ async def train(config, run_dir: Path, model_dir: str, console: Console) -> None
             synced = time.perf_counter() - syncing
 
             step += 1
+            if evaluator.due(step):  # the weights just synced, before the next step's sync
+                stats |= await evaluator.run()
             ended = time.perf_counter()
             stats |= {"version": version, "time/wait": waited, "time/assemble": assembled,
                       "time/generate": sum(g["seconds"] for g in groups) / len(groups), "time/train": trained,
@@ -85,7 +93,8 @@ async def train(config, run_dir: Path, model_dir: str, console: Console) -> None
                       "throughput/tokens_per_s": stats["tokens/trained"] / max(ended - started, 1e-9)}
             metrics.log(step, stats)
             progress.update(1)
-            progress.set_postfix(reward=f"{stats['reward/mean']:.3f}", refresh=False)
+            shown = {} if evaluator.last_reward is None else {"eval": f"{evaluator.last_reward:.3f}"}
+            progress.set_postfix(reward=f"{stats['reward/mean']:.3f}", **shown, refresh=False)
             if config.log.plot_every and step % config.log.plot_every == 0:
                 plot(run_dir)
             if step == config.steps or (config.ckpt.every and step % config.ckpt.every == 0):

@@ -2,7 +2,9 @@
 
 One JSON object per optimizer step in `RUN_DIR/metrics.jsonl` (after a resume,
 steps already logged are not logged again); the same scalars go to
-TensorBoard (and W&B when enabled); `plot` draws reward, lengths and timings
+TensorBoard (and W&B when enabled); evaluations (`eval/*`, `time/eval`) join
+the line of the step they follow, the one before training as step 0. `plot`
+draws reward (training and evaluation), lengths and timings
 from the JSON lines into `RUN_DIR/plots/`.
 """
 
@@ -57,9 +59,9 @@ def _plain(config) -> dict:
 
 
 PANELS = [
-    ("reward", ["reward/mean"]),
+    ("reward", ["reward/mean", "eval/reward"]),  # training (sampled, trained on) and held-out evaluation
     ("response length (tokens)", ["response_len/mean"]),
-    ("seconds per step", ["time/step", "time/generate", "time/wait", "time/train", "time/sync"]),
+    ("seconds per step", ["time/step", "time/generate", "time/wait", "time/train", "time/sync", "time/eval"]),
     ("trainer seconds per step", ["time/forward_backward", "time/logprobs", "time/optimizer", "time/ray"]),
     ("trainer vs engine", ["mismatch/kl", "offpolicy/kl", "is/filtered_frac"]),
 ]
@@ -77,8 +79,8 @@ def plot(run_dir: Path) -> Path:
     for axis, (title, keys) in zip(axes, PANELS):
         for key in keys:
             points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
-            if points:
-                axis.plot(*zip(*points), label=key)
+            if points:  # evaluations are a few steps apart: marked, not just joined
+                axis.plot(*zip(*points), label=key, marker="o" if key.startswith("eval/") else None, markersize=3)
         axis.set_title(title)
         axis.set_xlabel("step")
         axis.legend(fontsize=7)

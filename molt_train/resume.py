@@ -7,7 +7,8 @@ given now, and refuses any that would change what the run is: a different
 environment, model, algorithm, batch shape or seed would make the steps
 after the checkpoint a different experiment from the steps before it.
 Flags that only say how long to run, where to log, how often to checkpoint
-or which Ray cluster to join may change; the change is appended to the
+or evaluate (evaluation is never trained on) or which Ray cluster to join
+may change; the change is appended to the
 history with the step it applies from.
 """
 
@@ -20,7 +21,8 @@ from pathlib import Path
 from molt_train.config import ConfigError
 
 # Flags (or groups, ending in ".") a resumed run may change.
-MAY_CHANGE = ("steps", "out", "resume", "dry_run", "log.", "ckpt.", "ray.", "cluster.", "rollout.episode_timeout")
+MAY_CHANGE = ("steps", "out", "resume", "dry_run", "log.", "ckpt.", "eval.", "ray.", "cluster.",
+              "rollout.episode_timeout")
 HISTORY = "config_history.jsonl"
 
 

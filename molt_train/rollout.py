@@ -11,6 +11,10 @@ An environment that raises costs its episode, not the run: the group comes
 back without it and the failure is counted. A worker whose process dies
 costs the groups it was playing: they are counted as lost and played again,
 on the worker Ray restarts once the runtime has brought it up to date.
+
+Training draws its environment seeds from `molt_env.split`'s training range;
+`RolloutWorker.evaluate` plays the held-out episodes of the evaluation range
+and returns only their scores, which never reach the trainer.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import uuid
 import ray
 
 from molt_agents.engines.base import SamplingParams
+from molt_env.split import EVAL, TRAIN, eval_seed, train_seed
 
 
 class RolloutWorker:
@@ -64,7 +69,8 @@ class RolloutWorker:
         self.admitting.set()
 
     async def group(self, group_index: int, env_seed: int, size: int) -> dict:
-        """Play `size` episodes of the environment seeded `env_seed`; trajectories as dicts."""
+        """Play `size` episodes of the environment seeded `env_seed`; its `Trajectory` records as they are
+        (Ray pickles them with their numpy routes and image tensors in place; no JSON-style copy)."""
         started = time.perf_counter()
         episodes = await asyncio.gather(*(self._episode(group_index, env_seed, i) for i in range(size)))
         trajectories, failures = [], []
@@ -72,11 +78,29 @@ class RolloutWorker:
             if isinstance(result, str):
                 failures.append(result)
             else:
-                trajectories += [t.to_dict() for t in result]
+                trajectories += result
         return {"group_index": group_index, "trajectories": trajectories, "failures": failures,
                 "seconds": time.perf_counter() - started}
 
-    async def _episode(self, group_index: int, env_seed: int, index: int):
+    async def evaluate(self, episodes: list[int], samples: int, sampling: dict, on_episode=None) -> list[dict]:
+        """Play evaluation episodes `episodes` (held-out seeds), `samples` times each, sampled with `sampling`;
+        one score record per play (`evaluate.episode_record`), never a trajectory to train on.
+        `on_episode(record)`, for a caller in this process, is called as each one finishes."""
+        from molt_train.evaluate import episode_record
+
+        params = SamplingParams(**sampling)
+
+        async def play(episode: int, sample: int) -> dict:
+            seed = eval_seed(episode)
+            record = episode_record(episode, seed, sample, await self._episode(episode, seed, sample, EVAL, params))
+            if on_episode is not None:
+                on_episode(record)
+            return record
+
+        return await asyncio.gather(*(play(e, s) for e in episodes for s in range(samples)))
+
+    async def _episode(self, group_index: int, env_seed: int, index: int, split: str = TRAIN,
+                       params: SamplingParams | None = None):
         import molt_env
         from molt_agents.runner import run_episode
 
@@ -85,15 +109,17 @@ class RolloutWorker:
         self.idle.clear()
         try:
             env = molt_env.make(self.env_spec)
-            seed = None if self.params.seed is None else self.params.seed + 7919 * group_index + index
-            params = dataclasses.replace(self.params, seed=seed)
+            params = params or self.params
+            seed = None if params.seed is None else params.seed + 7919 * group_index + index
+            params = dataclasses.replace(params, seed=seed)
+            rollout_id = f"{group_index}-{index}" if split == TRAIN else f"{split}-{group_index}-{index}"
+            options = {"split": split}  # for environments with data splits of their own (molt_env.split)
             if self.agent is not None:
-                episode = self._agent_episode(env, params, env_seed, f"{group_index}-{index}", str(group_index))
+                episode = self._agent_episode(env, params, env_seed, rollout_id, str(group_index), options)
             else:
                 episode = run_episode(env, self.engine, self.tokenizer, params,
-                                      max_total_tokens=self.max_total_tokens, seed=env_seed,
-                                      rollout_id=f"{group_index}-{index}", group_id=str(group_index),
-                                      vision=self.vision)
+                                      max_total_tokens=self.max_total_tokens, seed=env_seed, options=options,
+                                      rollout_id=rollout_id, group_id=str(group_index), vision=self.vision)
             return await asyncio.wait_for(episode, self.episode_timeout)
         except asyncio.TimeoutError:  # a hung environment or agent (its thread, if any, is abandoned)
             return f"timeout: the episode took over {self.episode_timeout} s"
@@ -104,7 +130,8 @@ class RolloutWorker:
             if self.in_flight == 0:
                 self.idle.set()
 
-    async def _agent_episode(self, env, params: SamplingParams, env_seed: int, rollout_id: str, group_id: str):
+    async def _agent_episode(self, env, params: SamplingParams, env_seed: int, rollout_id: str, group_id: str,
+                             options: dict | None = None):
         from molt_agents.agent import run_agent
         from molt_env.spaces import as_messages
 
@@ -114,7 +141,7 @@ class RolloutWorker:
             if self.serving.done():
                 raise RuntimeError(f"the loopback could not start on port {self.loopback.port}")
             await asyncio.sleep(0.01)
-        observation, info = await env.areset(seed=env_seed)
+        observation, info = await env.areset(seed=env_seed, options=options)
         sampling = {"temperature": params.temperature, "top_p": params.top_p, "max_tokens": params.max_tokens,
                     "seed": params.seed}
         return await run_agent(self.agent, self.loopback, messages=as_messages(observation),
@@ -186,7 +213,7 @@ class GroupStream:
         self._turn = 0
 
     def env_seed(self, index: int) -> int:
-        return self.seed * 1_000_003 + index
+        return train_seed(self.seed, index)
 
     def _submit(self) -> None:
         if self.redo:

@@ -69,8 +69,7 @@ class RolloutWorker:
         self.admitting.set()
 
     async def group(self, group_index: int, env_seed: int, size: int) -> dict:
-        """Play `size` episodes of the environment seeded `env_seed`; its `Trajectory` records as they are
-        (Ray pickles them with their numpy routes and image tensors in place; no JSON-style copy)."""
+        """Play `size` episodes of the environment seeded `env_seed`; trajectories as dicts."""
         started = time.perf_counter()
         episodes = await asyncio.gather(*(self._episode(group_index, env_seed, i) for i in range(size)))
         trajectories, failures = [], []
@@ -78,7 +77,7 @@ class RolloutWorker:
             if isinstance(result, str):
                 failures.append(result)
             else:
-                trajectories += result
+                trajectories += [t.to_dict() for t in result]
         return {"group_index": group_index, "trajectories": trajectories, "failures": failures,
                 "seconds": time.perf_counter() - started}
 

@@ -80,7 +80,7 @@ def plot(run_dir: Path) -> Path:
         for key in keys:
             points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
             if points:  # evaluations are a few steps apart: marked, not just joined
-                axis.plot(*zip(*points), label=key, marker="o" if key.startswith("eval/") else None, markersize=3)
+                axis.plot(*zip(*points), label=key, marker="o" if "eval" in key else None, markersize=3)
         axis.set_title(title)
         axis.set_xlabel("step")
         axis.legend(fontsize=7)

@@ -20,6 +20,7 @@ chat template writes, so a re-rendered conversation still lines up.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,6 +28,13 @@ import numpy as np
 from molt_agents.engines.base import Sample
 from molt_agents.multimodal import PromptImages, collapse, join_images
 from molt_env.trajectory import Trajectory
+
+
+@functools.lru_cache(maxsize=1024)
+def _encode(tokenizer, text: str) -> tuple[int, ...]:
+    """Rendered template text as tokens (the template wrote every special token it wants). Cached: the
+    episodes of a group share their prompt, and turns repeat their deltas."""
+    return tuple(tokenizer.encode(text, add_special_tokens=False))
 
 
 @dataclass
@@ -67,7 +75,7 @@ class Segment:
         if self.vision is None:
             if new_images:
                 raise ValueError("this policy takes no images: it is not a vision-language model")
-            self.append_context(self.tokenizer.encode(text, add_special_tokens=False))
+            self.append_context(list(_encode(self.tokenizer, text)))
             return
         ids, spans, tensors = self.vision.encode(text, new_images)
         self.spans += [[len(self.token_ids) + start, length] for start, length in spans]

@@ -41,8 +41,7 @@ def _valid_trajectories(groups: list[dict]) -> tuple[list[Trajectory], dict]:
     """The trajectories the validator accepts; counts of failed episodes and of rejected trajectories by reason."""
     trajectories, invalid = [], Counter()
     for group in groups:
-        for record in group["trajectories"]:
-            trajectory = Trajectory.from_dict(record)
+        for trajectory in group["trajectories"]:
             reason = validate(trajectory)
             if reason:
                 invalid[reason] += 1

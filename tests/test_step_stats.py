@@ -66,7 +66,7 @@ def _trajectory(ids, prompt, versions, logprobs, rollout="r0", group="g0", rewar
 
 
 def _groups(trajectories, failures=()):
-    return [{"group_index": 0, "trajectories": [t.to_dict() for t in trajectories], "failures": list(failures),
+    return [{"group_index": 0, "trajectories": list(trajectories), "failures": list(failures),
              "seconds": 0.0}]
 
 

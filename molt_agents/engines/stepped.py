@@ -12,10 +12,10 @@ token can be stamped with the exact version of the weights that sampled it.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -77,6 +77,15 @@ def _notify(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
         return False
 
 
+def _run_calls(calls: list[tuple]) -> None:
+    """On an event loop: one engine step's callbacks for it, in order."""
+    for fn, args, _ in calls:
+        try:
+            fn(*args)
+        except Exception:  # a caller's `on_tokens` failed: the others still get theirs
+            log.exception("a token callback failed")
+
+
 def _resolve(future: asyncio.Future, result=None, error: BaseException | None = None) -> None:
     if future.done():  # the awaiting coroutine was cancelled
         return
@@ -92,6 +101,7 @@ class SteppedEngine:
     def __init__(self):
         self.version = 0
         self._pending: dict[str, _Pending] = {}  # touched only on the engine thread
+        self._request_ids = itertools.count()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._paused = False
@@ -133,7 +143,7 @@ class SteppedEngine:
         if not prompt_ids or not all(isinstance(t, int) and t >= 0 for t in prompt_ids):
             raise ValueError("prompt_ids must be a non-empty list of token ids")
         loop = asyncio.get_running_loop()
-        requests = [(uuid.uuid4().hex, loop.create_future()) for _ in range(params.n)]
+        requests = [(f"molt-{next(self._request_ids)}", loop.create_future()) for _ in range(params.n)]
 
         def submit():
             for index, (request_id, future) in enumerate(requests):
@@ -242,17 +252,21 @@ class SteppedEngine:
             except BaseException as error:  # fail every request rather than hang them
                 self._fail_all(error)
                 continue
+            outbox: dict[asyncio.AbstractEventLoop, list[tuple]] = {}
             for item in progress:
-                self._collect(item)
+                self._collect(item, outbox)
+            self._deliver(outbox)
         self._fail_all(RuntimeError("the engine was closed"))
 
-    def _collect(self, item: Progress) -> None:
+    def _collect(self, item: Progress, outbox: dict) -> None:
+        """Record a step's tokens for a request; what its caller must hear goes to `outbox`, by event loop."""
         pending = self._pending.get(item.request_id)
         if pending is None:
             return
+        calls = outbox.setdefault(pending.loop, [])
         if item.error is not None:
             self._abort([item.request_id])
-            _notify(pending.loop, _resolve, pending.future, None, ValueError(item.error))
+            calls.append((_resolve, (pending.future, None, ValueError(item.error)), item.request_id))
             return
         pending.token_ids += item.token_ids
         pending.logprobs += item.logprobs
@@ -260,16 +274,22 @@ class SteppedEngine:
         if pending.want_top:
             pending.top_logprobs += item.top_logprobs or [{} for _ in item.token_ids]
         if pending.on_tokens is not None and item.token_ids:
-            if not _notify(pending.loop, pending.on_tokens, pending.index, item):
-                self._abort([item.request_id])
-                return
+            calls.append((pending.on_tokens, (pending.index, item), item.request_id))
         if item.finished:
             del self._pending[item.request_id]
             sample = Sample(pending.token_ids, pending.logprobs, pending.versions, item.finish_reason,
                             routes=fit_routes(item.routes, pending.prompt_len + len(pending.token_ids)),
                             prompt_len=pending.prompt_len,
                             top_logprobs=pending.top_logprobs if pending.want_top else None)
-            _notify(pending.loop, _resolve, pending.future, sample)
+            calls.append((_resolve, (pending.future, sample), item.request_id))
+
+    def _deliver(self, outbox: dict) -> None:
+        """Wake each event loop once per step with all of its callbacks (one wake-up per loop rather than
+        per request: each is a write to the loop's self-pipe). A loop that is gone had callers who went
+        away: their requests are aborted."""
+        for loop, calls in outbox.items():
+            if not _notify(loop, _run_calls, calls):
+                self._abort([request_id for *_, request_id in calls])
 
     def _abort(self, request_ids: list[str]) -> None:
         live = [request_id for request_id in request_ids if self._pending.pop(request_id, None)]

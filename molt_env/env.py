@@ -18,27 +18,18 @@ conversation after the policy's reply (a user turn, a tool result). Set
 `tools` to offer OpenAI-style function schemas to the policy.
 
 For I/O-bound tasks (tools, remote judges) override the async pair
-`areset` / `astep`. By default they call the sync methods directly, since
-a thread hop costs more than a fast `step` does (and hundreds of episodes
-step at once). Once a call of an environment class takes longer than
-`INLINE_SECONDS` (its first call, which warms up imports and caches, aside),
-that method's calls go to a worker thread from then on, so a slow `step`
-never blocks the rollout event loop for long.
+`areset` / `astep`; by default they run the sync methods in a worker thread
+so a slow `step` never blocks the rollout event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any, ClassVar
 
 import gymnasium
 
 from molt_env.spaces import Chat, Text
-
-INLINE_SECONDS = 0.005  # a sync reset/step slower than this moves its class's calls to a worker thread
-_called: set[tuple[type, str]] = set()  # (class, method) called at least once
-_threaded: set[tuple[type, str]] = set()  # (class, method) whose calls run in a worker thread
 
 
 class Env(gymnasium.Env):
@@ -62,20 +53,7 @@ class Env(gymnasium.Env):
         raise NotImplementedError(f"{type(self).__name__} must implement step()")
 
     async def areset(self, *, seed: int | None = None, options: dict | None = None):
-        return await self._call("reset", seed=seed, options=options)
+        return await asyncio.to_thread(self.reset, seed=seed, options=options)
 
     async def astep(self, action: str):
-        return await self._call("step", action)
-
-    async def _call(self, method: str, *args, **kwargs):
-        """A sync method called directly, or in a worker thread once its class has shown it is slow."""
-        key = (type(self), method)
-        if key in _threaded:
-            return await asyncio.to_thread(getattr(self, method), *args, **kwargs)
-        started = time.perf_counter()
-        try:
-            return getattr(self, method)(*args, **kwargs)
-        finally:
-            if key in _called and time.perf_counter() - started > INLINE_SECONDS:
-                _threaded.add(key)
-            _called.add(key)
+        return await asyncio.to_thread(self.step, action)

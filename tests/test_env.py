@@ -1,7 +1,6 @@
 """The Gymnasium side: `Env` subclasses pass `check_env`, names resolve, bad trajectories are named."""
 
 import math
-import threading
 
 import gymnasium
 import numpy as np
@@ -175,49 +174,3 @@ def test_validator_names_what_is_wrong(changes, reason):
         check(trajectory)
     assert error.value.reason == reason
 
-
-class Sleepy(Env):
-    """A `step` slower than `INLINE_SECONDS` (a stand-in for a remote judge called synchronously)."""
-
-    def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)
-        return "Wait.", {}
-
-    def step(self, action):
-        import time
-
-        time.sleep(0.02)
-        return "", 1.0, True, False, {"thread": threading.get_ident()}
-
-
-def test_fast_sync_steps_run_inline_and_slow_ones_move_to_a_thread():
-    import asyncio
-
-    async def play(env_class):
-        """Each call's thread, and how often the event loop ticked during the slow steps."""
-        ticks = 0
-
-        async def ticker():
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.001)
-                ticks += 1
-
-        ticking = asyncio.ensure_future(ticker())
-        threads = []
-        for _ in range(4):
-            env = env_class()
-            await env.areset(seed=0)
-            *_, info = await env.astep("ok")
-            threads.append(info.get("thread", threading.get_ident()))
-        ticking.cancel()
-        return threads, ticks, threading.get_ident()
-
-    threads, _, loop_thread = asyncio.run(play(Echo))
-    assert set(threads) == {loop_thread}, "a fast step went through a thread"
-    threads, ticks, loop_thread = asyncio.run(play(Sleepy))
-    # The first call warms up and is not judged; the second is slow, so the third and fourth run in a thread,
-    # during which the event loop keeps running (40 ms of sleep: a few ticks at least).
-    assert threads[:2] == [loop_thread, loop_thread]
-    assert loop_thread not in threads[2:]
-    assert ticks >= 5

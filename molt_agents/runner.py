@@ -14,7 +14,7 @@ import dataclasses
 import uuid
 
 from molt_agents.chat_template import render_text
-from molt_agents.engines.base import SamplingParams
+from molt_agents.engines.base import SamplingParams, turn_seed
 from molt_agents.multimodal import chat_images, for_template
 from molt_agents.segment import Segment
 from molt_env.spaces import as_messages
@@ -41,7 +41,8 @@ async def run_episode(env, engine, tokenizer, params: SamplingParams, *, max_tot
         if budget <= 0:
             truncated = True
             break
-        turn_params = dataclasses.replace(params, n=1, max_tokens=min(params.max_tokens, budget))
+        turn_params = dataclasses.replace(params, n=1, max_tokens=min(params.max_tokens, budget),
+                                          seed=turn_seed(params.seed, len(step_rewards)))
         (sample,) = await engine.generate(segment.token_ids, turn_params, images=segment.prompt_images())
         segment.append_sample(sample)
         reply = tokenizer.decode(sample.token_ids, skip_special_tokens=True)

@@ -41,6 +41,15 @@ class SamplingParams:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
 
 
+def turn_seed(seed: int | None, turn: int) -> int | None:
+    """The sampling seed of an episode's `turn`-th request (from 0) when the episode is seeded with `seed`.
+
+    Each turn gets a stream of its own: with one seed for every turn, the same random draws would pick
+    every reply, so a policy whose next-token distribution barely changes between turns (an untrained
+    one, say) would repeat its first reply on every turn instead of exploring."""
+    return seed if seed is None or turn == 0 else (seed + turn * 1_000_003) % 2**62
+
+
 @dataclass
 class Sample:
     """One sampled completion, aligned token by token."""

@@ -42,7 +42,7 @@ from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from molt_agents.chat_template import ReasoningFormat, reasoning_format, render_text
-from molt_agents.engines.base import SamplingParams
+from molt_agents.engines.base import SamplingParams, turn_seed
 from molt_agents.loopback import anthropic, protocol, responses, streaming
 from molt_agents.loopback.anthropic import CountTokensRequest, MessagesRequest
 from molt_agents.loopback.protocol import APIError, ChatRequest, CompletionRequest
@@ -385,10 +385,12 @@ class Loopback:
             max_tokens=min(pick(body.max_new_tokens, "max_tokens", self.default_max_tokens), room),
             stop=tuple(self._stop(session, body)),
             stop_token_ids=(self.tokenizer.eos_token_id,),
-            seed=pick(body.seed, "seed", None),
+            # A seed the client sets is its own; the session's default seed moves on with every request.
+            seed=body.seed if body.seed is not None else turn_seed(defaults.get("seed"), session.requests),
             n=body.n,
             top_logprobs=top,
         )
+        session.requests += 1
         if on_start is not None:
             on_start()
         return await self.engine.generate(list(base.token_ids), params, on_tokens=on_tokens,

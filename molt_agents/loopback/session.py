@@ -24,6 +24,7 @@ class Session:
     rollout_id: str = ""
     group_id: str = ""
     defaults: dict = field(default_factory=dict)  # sampling defaults for requests that set none
+    requests: int = 0  # generation requests so far: the default seed's turn (`engines.base.turn_seed`)
     segments: list[Segment] = field(default_factory=list)
     open: list[Segment] = field(default_factory=list)  # the last reply's choices, extendable
     finished: bool = False  # set when `Loopback.finish` claims it: a request then captures nothing more

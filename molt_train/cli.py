@@ -97,7 +97,7 @@ def _model_dir(config: Config) -> str:
 
     if config.model is None:
         return str(tiny_model("chat"))
-    if config.model.startswith("tiny:"):  # tiny:dense, tiny:moe, tiny:chat, tiny:vlm
+    if config.model.startswith("tiny:"):  # tiny:dense, tiny:moe, tiny:chat, tiny:agent, tiny:vlm
         return str(tiny_model(config.model.split(":", 1)[1]))
     return config.model
 

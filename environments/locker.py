@@ -23,9 +23,8 @@ LOOKUP = {
     "type": "function",
     "function": {
         "name": "lookup",
-        "description": "The digit inside a locker.",
-        "parameters": {"type": "object", "properties": {"id": {"type": "integer", "description": "the locker, 1 to 9"}},
-                       "required": ["id"]},
+        "description": "The digit inside the locker numbered id, from 1 to 9.",
+        "parameters": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]},
     },
 }
 

@@ -23,7 +23,7 @@ LOOKUP = {
     "type": "function",
     "function": {
         "name": "lookup",
-        "description": "The digit inside the locker numbered id, from 1 to 9.",
+        "description": "The digit inside the locker numbered id.",
         "parameters": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]},
     },
 }
@@ -59,7 +59,7 @@ class Locker(Env):
         self.locker = int(self.np_random.integers(1, self.lockers + 1))
         self.answer = self.digits[self.locker - 1]
         self.turns, self.calls = 0, 0
-        prompt = f"Locker {self.locker} holds a secret digit. Look it up with the tool, then reply with the digit."
+        prompt = f"What is the digit in locker {self.locker}?"
         return prompt, {"locker": self.locker, "answer": self.answer}
 
     def step(self, action: str):

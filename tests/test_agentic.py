@@ -174,7 +174,7 @@ def test_every_turn_of_a_seeded_episode_samples_from_its_own_stream(vllm_engines
 def test_locker_tool_and_its_blank_control(env_class, blanked):
     env = env_class()
     prompt, info = env.reset(seed=5)
-    assert f"Locker {info['locker']}" in prompt
+    assert prompt == f"What is the digit in locker {info['locker']}?"
     call = '<tool_call>\n{"name": "lookup", "arguments": {"id": %d}}\n</tool_call>'
     observation, reward, terminated, truncated, _ = env.step(call % info["locker"])
     assert observation[0]["content"] == ("" if blanked else str(info["answer"])) and not (terminated or truncated)

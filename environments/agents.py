@@ -6,6 +6,7 @@ they are handed:
 
     molt-train --env digit --agent environments.agents:SingleTurnChat          # openai, Chat Completions
     molt-train --env python_tool --agent environments.agents:PythonToolAgent   # openai, function calling
+    molt-train --config recipes/locker.yaml --agent environments.agents:LockerAgent
     molt-train --env digit --agent environments.agents:AgentsSDKChat           # OpenAI Agents SDK (Responses)
     molt-train --env python_tool --agent environments.agents:AgentsSDKPythonTool
     molt-train --env python_tool --agent environments.agents:AnthropicPythonTool   # anthropic, tool_use
@@ -60,6 +61,30 @@ class PythonToolAgent(ChatAgent):
                 messages.append({"role": "tool", "tool_call_id": call.id,
                                  "content": await run_python(self.sandbox, call.function.name,
                                                              call.function.arguments)})
+        return 0.0  # no answer within the turn budget
+
+
+class LockerAgent(ChatAgent):
+    """`locker` as an existing function-calling agent plays it: offer the task's tools, answer each call
+    with the task's own tool (`Locker.call`), until the model answers in plain text, which the task
+    scores."""
+
+    def __init__(self, max_turns: int = 3):
+        self.max_turns = max_turns
+
+    async def run(self, ctx):
+        client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key)
+        messages = list(ctx.messages)
+        for _ in range(self.max_turns):
+            reply = await client.chat.completions.create(model=ctx.model, messages=messages, tools=ctx.tools)
+            message = reply.choices[0].message
+            if not message.tool_calls:
+                _, reward, _, _, _ = ctx.env.step(message.content or "")
+                return reward
+            messages.append(message.model_dump(exclude_none=True))
+            messages += [{"role": "tool", "tool_call_id": call.id,
+                          "content": ctx.env.call(call.function.name, call.function.arguments)}
+                         for call in message.tool_calls]
         return 0.0  # no answer within the turn budget
 
 

@@ -69,14 +69,16 @@ class Locker(Env):
             reward = float(first_digit(action) == str(self.answer))
             return "", reward, True, False, self._info()
         results = [{"role": "tool", "tool_call_id": call["id"], "name": call["function"]["name"],
-                    "content": self._call(call["function"])} for call in calls]
+                    "content": self.call(call["function"]["name"], call["function"]["arguments"])} for call in calls]
         return results, 0.0, False, self.turns >= self.max_turns, self._info()
 
-    def _call(self, function: dict) -> str:
+    def call(self, name: str, arguments: str) -> str:
+        """Run one tool call (`arguments` a JSON string) and return what the tool says: also for agents
+        that call the tool themselves (`environments.agents.LockerAgent`)."""
         self.calls += 1
-        if function["name"] != LOOKUP["function"]["name"]:
-            return f"[error] unknown tool {function['name']!r}; the only tool is lookup"
-        result = lookup(function["arguments"], self.digits)
+        if name != LOOKUP["function"]["name"]:
+            return f"[error] unknown tool {name!r}; the only tool is lookup"
+        result = lookup(arguments, self.digits)
         return "" if self.blank and not result.startswith("[error]") else result
 
     def _info(self) -> dict:

@@ -198,15 +198,19 @@ def test_guess_number_hints_and_the_control_that_hides_them():
         GuessNumber(hint="loud")
 
 
-@pytest.mark.parametrize("env", ["guess_number_told", "locker"])
-def test_molt_train_runs_the_agentic_task(tmp_path, ray_address, env):
+@pytest.mark.parametrize("env,agent", [("guess_number_told", None), ("locker", None),
+                                       ("locker", "environments.agents:LockerAgent")])
+def test_molt_train_runs_the_agentic_task(tmp_path, ray_address, env, agent):
+    """Both tasks on the env runner, and the tool task through the loopback with a stock openai-client
+    agent that runs the tool calls itself."""
     import json
 
     out = tmp_path / env
     result = subprocess.run(
         [sys.executable, "-m", "molt_train.cli", "--config", f"recipes/{env}.yaml", "--out", str(out),
          "--ray.address", ray_address, "--log.tensorboard", "false", "--steps", "2",
-         "--rollout.groups_per_step", "4", "--rollout.group_size", "4", "--train.async_queue_size", "0"],
+         "--rollout.groups_per_step", "4", "--rollout.group_size", "4", "--train.async_queue_size", "0",
+         *(["--agent", agent] if agent else [])],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

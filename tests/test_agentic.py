@@ -81,8 +81,9 @@ def test_multi_turn_hints_are_context_and_the_reward_reaches_every_turn(vllm_eng
         secret = t.info["reset_info"]["secret"]
         for (_, end), (start, _) in zip(runs, runs[1:]):
             between = tokenizer.decode(t.token_ids[end:start])
-            assert between == f"\n<|im_start|>user\nNo: it is {secret}. Guess again.<|im_end|>\n<|im_start|>assistant\n" \
-                or "No number there" in between, between
+            # (ends with: a reply cut off by max_tokens leaves its end-of-turn token to the context)
+            assert between.endswith(f"\n<|im_start|>user\nNo: it is {secret}. Guess again.<|im_end|>\n"
+                                    "<|im_start|>assistant\n") or "No number there" in between, between
     # The batch: every turn's tokens carry the episode's advantage (the reward is given at the last turn).
     items, stats = assemble([{"group_index": 0, "trajectories": trajectories, "failures": []}], 0,
                             AlgoConfig(estimator="grpo", filter_zero_variance=False))

@@ -12,7 +12,8 @@ from environments.frozen_lake import parse_move
 from environments.guess_number import GuessNumber
 from environments.python_tool import PythonTool, final_answer
 
-NAMES = ["digit", "arithmetic", "countdown", "guess_number", "frozen_lake", "python_tool", "shapes"]
+NAMES = ["digit", "arithmetic", "countdown", "guess_number", "guess_number_told", "frozen_lake", "python_tool", "locker",
+         "shapes"]
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -1,7 +1,7 @@
 """Profile one trainer step of the benchmark workload, in this process (no Ray, no engine).
 
     .venv/bin/python bench/profile_step.py [--workload small] [--steps 20] [--micro-batch-tokens 1024]
-                                           [--cprofile] [--torch-profile]
+                                           [--no-share-prefix] [--cprofile] [--torch-profile]
 
 Builds Molt's `PolicyRank` (one rank) on the workload's model, and a batch
 shaped like the workload's (16 prompts x 8 replies of the reply length the
@@ -47,7 +47,8 @@ def items_for(tokenizer, rng: random.Random, reply_tokens: int):
     return items
 
 
-def molt_step(model_dir: str, items, steps: int, micro_batch_tokens: int, profiler: str | None) -> dict:
+def molt_step(model_dir: str, items, steps: int, micro_batch_tokens: int, profiler: str | None,
+              share_prefix: bool = True) -> dict:
     from molt_train.actor.policy import PolicyRank
     from molt_train.config import Config
     from molt_train.packing import deal, pack
@@ -71,7 +72,7 @@ def molt_step(model_dir: str, items, steps: int, micro_batch_tokens: int, profil
     for step in range(steps + 2):
         if step == 2:
             times.clear()  # the first steps warm up allocators and caches
-        micro_batches = timed("pack", lambda: deal(pack(items, micro_batch_tokens), 1)[0])
+        micro_batches = timed("pack", lambda: deal(pack(items, micro_batch_tokens, True, share_prefix), 1)[0])
         if profiler and step == steps + 1:
             return {"profile": _profiled(profiler, lambda: rank.step(micro_batches, step_tokens))} | _medians(times)
         timed("step", rank.step, micro_batches, step_tokens)
@@ -138,6 +139,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--reply-tokens", type=int, default=2)
     parser.add_argument("--micro-batch-tokens", type=int, default=1024)
+    parser.add_argument("--no-share-prefix", action="store_true", help="train each reply whole (no prefix trees)")
     parser.add_argument("--cprofile", action="store_const", const="cprofile", dest="profiler")
     parser.add_argument("--torch-profile", action="store_const", const="torch", dest="profiler")
     args = parser.parse_args()
@@ -147,7 +149,7 @@ def main() -> None:
     items = items_for(AutoTokenizer.from_pretrained(model_dir), random.Random(0), args.reply_tokens)
     tokens = sum(len(item.token_ids) for item in items)
     print(f"batch: {len(items)} sequences, {tokens} tokens; torch threads {torch.get_num_threads()}")
-    molt = molt_step(model_dir, items, args.steps, args.micro_batch_tokens, args.profiler)
+    molt = molt_step(model_dir, items, args.steps, args.micro_batch_tokens, args.profiler, not args.no_share_prefix)
     if "profile" in molt:
         print(molt.pop("profile"))
     floor = floor_step(model_dir, items, args.steps)

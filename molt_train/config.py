@@ -91,6 +91,9 @@ class TrainConfig:
     """Clip the global gradient norm to this."""
     micro_batch_tokens: int = 1024
     """Token budget of one packed micro-batch (gradient accumulation over micro-batches)."""
+    share_prefix: bool = True
+    """Train the samples of a prompt as one prefix tree: the prompt's forward and backward once for all of
+    them, not once each (fsdp2 backend, text only; see `molt_train.packing`)."""
     updates_per_batch: int = 1
     """Optimizer steps per batch of rollouts (PPO epochs over mini-batches)."""
     async_queue_size: int = 16

@@ -12,6 +12,15 @@ ranks in equal numbers (FSDP ranks must run the same number of
 forward/backward passes). `rows=False` packs each micro-batch as one row,
 without padding, in the items' order (for forwards that take one row:
 context-parallel splits, image inputs, NeMo AutoModel's own models).
+
+With `share_prefix`, items whose untrained heads are the same tokens (the
+samples of a group: one prompt, several replies) become one prefix tree:
+the head once, then each item's rest, its positions continuing from the
+head's. The tree's tokens attend to the head and to their own branch
+(`MicroBatch.branch`), and each branch's first token is predicted from the
+head's last hidden state (`MicroBatch.predecessor`): every logprob is the
+one the item alone gives, and a prompt shared by a group of 8 costs its
+forward and backward once instead of 8 times.
 """
 
 from __future__ import annotations
@@ -49,6 +58,13 @@ class MicroBatch:
     routes: torch.Tensor | None = None  # [N, layers, top_k] int16 engine expert ids, -1 where unknown
     images: dict[str, torch.Tensor] | None = None  # the forward's image arguments, sequence after sequence
     width: int = 0  # tokens per row (N is a whole number of rows); 0: one row
+    # [N] long: the token whose hidden state predicts this one (the one before, or for a branch's first
+    # token the head's last); -1 at a sequence's start
+    predecessor: torch.Tensor | None = None
+    # [N] long, when the micro-batch holds a prefix tree: 0 for the tokens every sequence of their block
+    # (a block starts at position 0) sees, b >= 1 for branch b's; None: sequences only, attention follows
+    # the positions restarting at 0
+    branch: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -59,20 +75,23 @@ class MicroBatch:
         return int(self.input_ids.numel())
 
 
-def pack(items: list[TrainItem], token_budget: int, rows: bool = True) -> list[MicroBatch]:
+def pack(items: list[TrainItem], token_budget: int, rows: bool = True,
+         share_prefix: bool = False) -> list[MicroBatch]:
     """Pack `items` into micro-batches of at most `token_budget` tokens, padding included.
 
-    With `rows`, longest first: a micro-batch's rows are as wide as its first (longest) item and take each
-    later item into the first row with room; a sequence longer than the budget gets a micro-batch of its
-    own. Without, one row each, greedy in the given order.
+    With `rows`, longest first: a micro-batch's rows are as wide as its first (longest) unit (an item, or
+    with `share_prefix` a prefix tree, see `trees`) and take each later one into the first row with room;
+    a unit longer than the budget gets a micro-batch of its own. Without, one row each, greedy in the
+    given order, no trees.
     """
     if not rows:
-        return [_micro_batch([[item] for item in group], None) for group in _greedy(items, token_budget)]
-    batches: list[list[list[TrainItem]]] = []  # micro-batch -> row -> items
+        return [_micro_batch([[[item]] for item in group], None) for group in _greedy(items, token_budget)]
+    units = trees(items, token_budget) if share_prefix else [[item] for item in items]
+    batches: list[list[list[list[TrainItem]]]] = []  # micro-batch -> row -> units
     widths: list[int] = []
     free: list[int] = []  # tokens left in each row of the last micro-batch
-    for item in sorted(items, key=lambda item: -len(item.token_ids)):
-        n = len(item.token_ids)
+    for unit in sorted(units, key=lambda unit: -_length(unit)):
+        n = _length(unit)
         row = next((r for r, left in enumerate(free) if left >= n), None)
         if row is None:
             if not batches or (len(free) + 1) * widths[-1] > token_budget:
@@ -82,9 +101,53 @@ def pack(items: list[TrainItem], token_budget: int, rows: bool = True) -> list[M
             batches[-1].append([])
             free.append(widths[-1])
             row = len(free) - 1
-        batches[-1][row].append(item)
+        batches[-1][row].append(unit)
         free[row] -= n
     return [_micro_batch(batch, width) for batch, width in zip(batches, widths)]
+
+
+def head_length(item: TrainItem) -> int:
+    """Tokens before the item's first trained one (its prompt)."""
+    return next((i for i, m in enumerate(item.mask) if m), len(item.mask))
+
+
+def trees(items: list[TrainItem], token_budget: int) -> list[list[TrainItem]]:
+    """The items as units: a prefix tree is a list of items with the same untrained head (at least 2 tokens,
+    their expert routes there the same, no images), as many as fit `token_budget` with the head counted
+    once; any other item is a unit alone. Order within a tree is the items' order."""
+    units: list[list[TrainItem]] = []
+    by_head: dict[tuple[int, ...], list[TrainItem]] = {}
+    for item in items:
+        h = head_length(item)
+        if item.images or h < 2 or h == len(item.token_ids):
+            units.append([item])
+        else:
+            by_head.setdefault(tuple(item.token_ids[:h]), []).append(item)
+    for head, group in by_head.items():
+        h = len(head)
+        tree: list[TrainItem] = []
+        for item in group:
+            if tree and (_length(tree) + len(item.token_ids) - h > token_budget or not _same_routes(tree[0], item, h)):
+                units.append(tree)
+                tree = []
+            tree.append(item)
+        units.append(tree)
+    return units
+
+
+def _same_routes(first: TrainItem, item: TrainItem, head: int) -> bool:
+    if first.routes is None and item.routes is None:
+        return True
+    return first.routes is not None and item.routes is not None and np.array_equal(first.routes[:head],
+                                                                                      item.routes[:head])
+
+
+def _length(unit: list[TrainItem]) -> int:
+    """Tokens of a unit: an item's, or a tree's head once plus every item's rest."""
+    if len(unit) == 1:
+        return len(unit[0].token_ids)
+    h = head_length(unit[0])
+    return h + sum(len(item.token_ids) - h for item in unit)
 
 
 def _greedy(items: list[TrainItem], token_budget: int) -> list[list[TrainItem]]:
@@ -102,26 +165,40 @@ def _greedy(items: list[TrainItem], token_budget: int) -> list[list[TrainItem]]:
     return groups
 
 
-def _micro_batch(rows: list[list[TrainItem]], width: int | None) -> MicroBatch:
-    """The items row by row; with a `width`, each row padded to it by a sequence of its own that trains nothing."""
-    ids, positions, sequence, mask, advantages, logprobs, ages, with_pads = [], [], [], [], [], [], [], []
+def _micro_batch(rows: list[list[list[TrainItem]]], width: int | None) -> MicroBatch:
+    """The units row by row; with a `width`, each row padded to it by a sequence of its own that trains
+    nothing. A tree lays out its head (the first item's, trained by none), then each item's rest."""
+    ids, positions, sequence, mask, advantages, logprobs, ages = [], [], [], [], [], [], []
+    predecessor, branch, parts, units = [], [], [], []  # parts: (item, start) in layout order, for routes
     for row in rows:
-        used = sum(len(item.token_ids) for item in row)
-        pad = [] if width is None or used == width else [_padding(width - used)]
-        with_pads += row + pad
-    for index, item in enumerate(with_pads):
-        n = len(item.token_ids)
-        ids += item.token_ids
-        positions += range(n)
-        sequence += [index] * n
-        mask += item.mask
-        advantages += [float(item.advantage)] * n
-        logprobs += [0.0 if lp is None else lp for lp in item.logprobs]
-        ages += item.ages
+        used = sum(_length(unit) for unit in row)
+        units += row + ([] if width is None or used == width else [[_padding(width - used)]])
+    index = 0
+    for unit in units:
+        h = head_length(unit[0]) if len(unit) > 1 else 0
+        head_end = len(ids) + h - 1  # the head's last token: the predecessor of each branch's first
+        for b, item in enumerate(unit):
+            start = h if b else 0  # a tree's later items lay out their rest only
+            n = len(item.token_ids) - start
+            first = len(ids)
+            parts.append((item, start))
+            ids += item.token_ids[start:]
+            positions += range(start, start + n)
+            sequence += [index] * n
+            mask += item.mask[start:]
+            advantages += [0.0 if i < h else float(item.advantage) for i in range(start, len(item.token_ids))]
+            logprobs += [0.0 if lp is None else lp for lp in item.logprobs[start:]]
+            ages += item.ages[start:]
+            predecessor += [-1 if i == 0 else (head_end if b and i == start else first + i - start - 1)
+                            for i in range(start, len(item.token_ids))]
+            branch += [0 if i < h else b + 1 for i in range(start, len(item.token_ids))] if h else [0] * n
+            index += 1
+    has_tree = any(len(unit) > 1 for unit in units)
     return MicroBatch(torch.tensor(ids), torch.tensor(positions), torch.tensor(sequence),
                       torch.tensor(mask, dtype=torch.float32), torch.tensor(advantages, dtype=torch.float32),
-                      torch.tensor(logprobs, dtype=torch.float32), torch.tensor(ages), _routes(with_pads),
-                      _images(with_pads), width=0 if width is None or len(rows) == 1 else width)
+                      torch.tensor(logprobs, dtype=torch.float32), torch.tensor(ages), _routes(parts),
+                      _images([item for item, _ in parts]), width=0 if width is None or len(rows) == 1 else width,
+                      predecessor=torch.tensor(predecessor), branch=torch.tensor(branch) if has_tree else None)
 
 
 def _padding(n: int) -> TrainItem:
@@ -136,19 +213,20 @@ def _images(items: list[TrainItem]) -> dict[str, torch.Tensor] | None:
     return {name: torch.as_tensor(value) for name, value in join_images(images).items()}
 
 
-def _routes(items: list[TrainItem]) -> torch.Tensor | None:
-    """The items' expert routes end to end; -1 for an item that has none (None when none has any)."""
-    shapes = [item.routes.shape[1:] for item in items if item.routes is not None]
+def _routes(parts: list[tuple[TrainItem, int]]) -> torch.Tensor | None:
+    """The expert routes of the laid-out (item, from token) parts end to end; -1 for an item that has none
+    (None when none has any)."""
+    shapes = [item.routes.shape[1:] for item, _ in parts if item.routes is not None]
     if not shapes:
         return None
-    return torch.cat([torch.as_tensor(item.routes, dtype=torch.int16) if item.routes is not None
-                      else torch.full((len(item.token_ids), *shapes[0]), -1, dtype=torch.int16)
-                      for item in items])
+    return torch.cat([torch.as_tensor(item.routes[start:], dtype=torch.int16) if item.routes is not None
+                      else torch.full((len(item.token_ids) - start, *shapes[0]), -1, dtype=torch.int16)
+                      for item, start in parts])
 
 
 def empty_micro_batch() -> MicroBatch:
     """A one-token micro-batch that trains nothing, to even out the ranks' counts."""
-    return _micro_batch([[_padding(1)]], None)
+    return _micro_batch([[[_padding(1)]]], None)
 
 
 def deal(micro_batches: list[MicroBatch], world_size: int) -> list[list[MicroBatch]]:

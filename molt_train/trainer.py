@@ -3,7 +3,7 @@
 Every call goes to all ranks at once (they run collectives together); rank 0
 sends the weights to the engines (bucketed broadcast) or returns them whole.
 The batch is packed into micro-batches by token budget (grids of rows as
-wide as their longest sequence, see `packing`) and dealt to the
+wide as their longest sequence or prefix tree, see `packing`) and dealt to the
 data-parallel replicas in equal numbers (the tensor- and context-parallel
 ranks of a replica get the same ones); the replicas' step statistics are
 combined as each declares.
@@ -43,6 +43,7 @@ class TrainerGroup:
         self.data_parallel = config.actor.data_parallel
         self.replica_ranks = config.actor.world_size // self.data_parallel
         self.micro_batch_tokens, self.updates = config.train.micro_batch_tokens, config.train.updates_per_batch
+        self.share_prefix = config.train.share_prefix
         # Packed grids of rows for the fsdp2 backend; one row for AutoModel (its own classes, context parallel).
         self.rows = config.actor.backend == "fsdp2"
         actor = ray.remote(PolicyRank)
@@ -55,7 +56,7 @@ class TrainerGroup:
         """One optimizer step (or `updates_per_batch` of them) on `items`; the statistics of the whole group."""
         started = time.perf_counter()
         rows = self.rows and not any(item.images for item in items)
-        shares = deal(pack(items, self.micro_batch_tokens, rows), self.data_parallel)
+        shares = deal(pack(items, self.micro_batch_tokens, rows, self.share_prefix), self.data_parallel)
         step_tokens = sum(sum(item.mask) for item in items)
         packed = time.perf_counter() - started
         stats = await _gather([rank.step.remote(shares[index // self.replica_ranks], step_tokens, self.updates)

@@ -1,12 +1,14 @@
 """Sequence packing: grids of rows, no attention across sequences, padding that trains nothing, equal
-micro-batch counts per rank."""
+micro-batch counts per rank; prefix trees that give each item's logprobs and gradients."""
+
+from dataclasses import replace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from molt_train.actor.policy import token_logprobs
-from molt_train.packing import TrainItem, deal, pack
+from molt_train.packing import TrainItem, deal, pack, trees
 
 
 def _item(ids, advantage=1.0, age=0):
@@ -57,3 +59,81 @@ def test_micro_batch_carries_each_token_age_and_advantage():
     assert mb.mask.tolist() == [0, 1, 1, 0, 1, 0] and mb.sequence.tolist() == [0, 0, 0, 1, 1, 2]
     assert mb.advantages.tolist() == [0.5, 0.5, 0.5, -1.0, -1.0, 0.0]
     assert mb.engine_logprobs.tolist() == [0.0, -1.0, -1.0, 0.0, -1.0, 0.0]  # 0 where the engine sampled nothing
+
+
+def _reply(head, reply, advantage=1.0):
+    ids = head + reply
+    return TrainItem(token_ids=ids, mask=[0] * len(head) + [1] * len(reply),
+                     logprobs=[None] * len(head) + [-1.0] * len(reply), ages=[0] * len(ids), advantage=advantage)
+
+
+def test_prefix_tree_layout():
+    items = [_reply([5, 6, 7], [8, 9], 0.5), _reply([5, 6, 7], [10], -1.0), _reply([4, 6, 7], [11], 2.0)]
+    (mb,) = pack(items, token_budget=100, share_prefix=True)
+    # the tree [5 6 7 | 8 9 | 10] (6 tokens) is one row, [4 6 7 11] and 2 tokens of padding the other
+    assert (mb.width, mb.rows) == (6, 2)
+    assert mb.input_ids.tolist() == [5, 6, 7, 8, 9, 10, 4, 6, 7, 11, 0, 0]
+    assert mb.position_ids.tolist() == [0, 1, 2, 3, 4, 3, 0, 1, 2, 3, 0, 1]
+    assert mb.predecessor.tolist() == [-1, 0, 1, 2, 3, 2, -1, 6, 7, 8, -1, 10]  # 10 is predicted from 7
+    assert mb.branch.tolist() == [0, 0, 0, 1, 1, 2, 0, 0, 0, 0, 0, 0]
+    assert mb.sequence.tolist() == [0, 0, 0, 0, 0, 1, 2, 2, 2, 2, 3, 3]
+    assert mb.mask.tolist() == [0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 0, 0]
+    assert mb.advantages.tolist() == [0, 0, 0, 0.5, 0.5, -1.0, 2.0, 2.0, 2.0, 2.0, 0, 0]
+    # without sharing, as before: each item whole
+    assert sum(mb.num_tokens for mb in pack(items, token_budget=100)) == 3 * 5
+
+
+def test_prefix_trees_split_at_the_budget_and_at_different_routes():
+    import numpy as np
+
+    head = list(range(3, 13))
+    items = [_reply(head, [20 + i] * 4) for i in range(5)]
+    sizes = [len(unit) for unit in trees(items, token_budget=10 + 3 * 4)]
+    assert sizes == [3, 2]  # the head (10) and three replies of 4 fit 22 tokens; the rest is a second tree
+    routed = [replace(item, routes=np.zeros((14, 1, 2), np.int16)) for item in items[:3]]
+    routed[2].routes[1] = 1  # the engine routed this item's prompt differently: it cannot share that head
+    assert [len(unit) for unit in trees(routed, token_budget=100)] == [2, 1]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_prefix_tree_logprobs_and_gradients_equal_the_items_alone(dense_dir, attention):
+    model = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32, attn_implementation=attention)
+    generator = torch.Generator().manual_seed(0)
+
+    def tokens(n):
+        return torch.randint(3, 1000, (n,), generator=generator).tolist()
+
+    prompts = [tokens(9), tokens(5)]
+    items = ([_reply(prompts[0], tokens(n), a) for n, a in ((3, 1.0), (1, -0.5), (6, 0.25), (2, 2.0))]
+             + [_reply(prompts[1], tokens(n), a) for n, a in ((4, -1.0), (2, 1.5))] + [_reply(tokens(7), tokens(3))])
+
+    def loss_and_grads(micro_batches):
+        model.zero_grad()
+        values = []
+        for mb in micro_batches:
+            logprobs, _ = token_logprobs(model, mb)
+            (logprobs * mb.advantages * mb.mask).sum().backward()
+            values += [(tuple(mb.input_ids[mb.sequence == s].tolist()), logprobs[mb.sequence == s][mb.mask[
+                mb.sequence == s] > 0]) for s in mb.sequence.unique()]
+        return values, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    shared = pack(items, token_budget=64, share_prefix=True)
+    plain = pack(items, token_budget=64)
+    assert any(mb.branch is not None for mb in shared)
+    assert sum(mb.num_tokens for mb in shared) < sum(mb.num_tokens for mb in plain)
+    shared_values, shared_grads = loss_and_grads(shared)
+    plain_values, plain_grads = loss_and_grads(plain)
+    # each item's trained logprobs: in the tree its tokens follow the shared head (or one branch), so
+    # compare by the trained tokens' values, item by item
+    alone = {tuple(item.token_ids): token_logprobs(model, pack([item], 100)[0])[0].detach() for item in items}
+    found = 0
+    for item in items:
+        expected = alone[tuple(item.token_ids)][torch.tensor(item.mask, dtype=torch.bool)]
+        for _, values in shared_values:
+            if len(values) == len(expected) and torch.allclose(values.detach(), expected, atol=1e-5):
+                found += 1
+                break
+    assert found == len(items)
+    assert plain_grads.keys() == shared_grads.keys()
+    for name, grad in plain_grads.items():
+        assert torch.allclose(shared_grads[name], grad, atol=1e-5, rtol=1e-4), name

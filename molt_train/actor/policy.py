@@ -118,34 +118,68 @@ def token_logprobs(model, mb: MicroBatch, with_entropy: bool = False, chunk_toke
     The model's output head returns these per-token values instead of logits, for the positions that
     predict a trained token only (a prompt's, an environment turn's and the padding's never reach the
     head), and with `chunk_tokens` that many positions at a time, recomputing each chunk in backward
-    (`actor.logprob_chunk_tokens`): the [N, vocab] logits never exist whole. With a context-parallel
-    `shard` (run inside its `attend`), the model sees this rank's piece of the row, the head maps all its
-    positions, and the values of every rank's piece are gathered whole. A head that cannot be replaced
-    (sharded on the vocabulary: `vocab_parallel`; soft-capped logits) returns the logits of every position."""
-    input_ids, position_ids = (shard.input_ids, shard.position_ids) if shard else (mb.input_ids, mb.position_ids)
-    targets = shard.targets if shard else mb.input_ids[1:]  # the token each position predicts
+    (`actor.logprob_chunk_tokens`): the [N, vocab] logits never exist whole. A micro-batch with prefix
+    trees (`mb.branch`) attends through their mask (`tree_mask`), each token predicted from its
+    `mb.predecessor`. With a context-parallel `shard` (run inside its `attend`), the model sees this rank's
+    piece of the row, the head maps all its positions, and the values of every rank's piece are gathered
+    whole. A head that cannot be replaced (sharded on the vocabulary: `vocab_parallel`; soft-capped logits)
+    returns the logits of every position."""
     softcapped = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
     per_token = chunk_tokens > 0 or not (vocab_parallel or softcapped)
-    trained = (mb.mask[1:] > 0) & (mb.position_ids[1:] != 0)  # (a sequence's first token has no prediction)
-    selected = None if shard else torch.nonzero(trained)[:, 0]  # the positions that predict a trained token
-    head = _per_token_head(model, targets, selected, chunk_tokens, with_entropy) if per_token else nullcontext()
+    if shard:
+        targets = shard.targets  # the token each position of this rank's piece predicts
+        head = _per_token_head(model, targets, None, chunk_tokens, with_entropy) if per_token else nullcontext()
+        with head:
+            out = automodel.native_logits(model, shard.input_ids, shard.position_ids) if automodel.is_native(
+                model) else model(input_ids=shard.input_ids.view(1, -1), position_ids=shard.position_ids.view(1, -1),
+                                  use_cache=False).logits
+        out = _full_tensor(out)
+        columns = out[0] if per_token else _per_token(out.flatten(0, -2)[:len(targets)], targets, with_entropy)
+        columns = automodel.gather_sequence(columns, shard)[:len(mb.input_ids) - 1]
+        trained = (mb.mask[1:] > 0) & (mb.position_ids[1:] != 0)  # (a sequence's first token has no prediction)
+        logprobs = torch.cat([columns.new_zeros(1), torch.where(trained, columns[:, 0], 0.0)])
+        entropy = (torch.cat([columns.new_zeros(1), torch.where(trained, columns[:, 1], 0.0)]) if with_entropy
+                   else None)
+        return logprobs, entropy
+    predecessor = mb.predecessor if mb.predecessor is not None else _predecessors(mb.position_ids)
+    tokens = torch.nonzero((mb.mask > 0) & (predecessor >= 0))[:, 0]  # the trained tokens
+    sources, targets = predecessor[tokens], mb.input_ids[tokens]  # the positions that predict them, and what
+    head = _per_token_head(model, targets, sources, chunk_tokens, with_entropy) if per_token else nullcontext()
     with head:
         if automodel.is_native(model):
-            out = automodel.native_logits(model, input_ids, position_ids)
+            out = automodel.native_logits(model, mb.input_ids, mb.position_ids)
         else:
             images = {name: as_model_input(tensor, model) for name, tensor in (mb.images or {}).items()}
-            rows = mb.rows if shard is None and not images else 1  # the packed grid, else one row
-            out = model(input_ids=input_ids.view(rows, -1), position_ids=position_ids.view(rows, -1),
-                        use_cache=False, **images).logits
+            rows = mb.rows if not images else 1  # the packed grid, else one row
+            masks = {} if mb.branch is None else {"attention_mask": tree_mask(
+                mb.position_ids.view(rows, -1), mb.branch.view(rows, -1), model)}
+            out = model(input_ids=mb.input_ids.view(rows, -1), position_ids=mb.position_ids.view(rows, -1),
+                        use_cache=False, **masks, **images).logits
     out = _full_tensor(out)  # tensor parallel: the logits come sharded on the vocabulary
-    columns = out[0] if per_token else _per_token(out.flatten(0, -2)[:len(targets)], targets, with_entropy)
-    if shard:
-        columns = automodel.gather_sequence(columns, shard)[:len(mb.input_ids) - 1]
-    elif per_token:  # back to every position, 0 where nothing is trained
-        columns = columns.new_zeros(len(targets), columns.shape[1]).index_copy(0, selected, columns)
-    logprobs = torch.cat([columns.new_zeros(1), torch.where(trained, columns[:, 0], 0.0)])
-    entropy = torch.cat([columns.new_zeros(1), torch.where(trained, columns[:, 1], 0.0)]) if with_entropy else None
-    return logprobs, entropy
+    columns = out[0] if per_token else _per_token(out.flatten(0, -2)[sources], targets, with_entropy)
+    values = columns.new_zeros(len(mb.input_ids), columns.shape[1]).index_copy(0, tokens, columns)
+    return values[:, 0], values[:, 1] if with_entropy else None
+
+
+def _predecessors(position_ids: torch.Tensor) -> torch.Tensor:
+    """Each token's predecessor in packed sequences whose positions restart at 0: the token before, -1 at a start."""
+    index = torch.arange(len(position_ids)) - 1
+    return torch.where(position_ids == 0, -1, index)
+
+
+def tree_mask(position_ids: torch.Tensor, branch: torch.Tensor, model) -> torch.Tensor:
+    """[rows, 1, W, W] attention mask of packed rows with prefix trees (`position_ids`, `branch` [rows, W]):
+    a token sees the tokens before it in its block (from a position 0 to the next) that are on its branch
+    or on none (0). Boolean for SDPA; 0 / the dtype's minimum for eager attention."""
+    block = torch.cumsum(position_ids == 0, -1)
+    width = position_ids.shape[-1]
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    seen = ((block[:, :, None] == block[:, None, :]) & causal
+            & ((branch[:, None, :] == 0) | (branch[:, :, None] == branch[:, None, :])))[:, None]
+    if model.config._attn_implementation == "eager":
+        dtype = next(model.parameters()).dtype
+        return torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, torch.finfo(dtype).min)
+    return seen
 
 
 def _per_token(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool) -> torch.Tensor:
@@ -160,26 +194,25 @@ def _per_token(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool) 
 def _per_token_head(model, targets: torch.Tensor, selected: torch.Tensor | None, chunk_tokens: int,
                     with_entropy: bool):
     """Within the model's own forward (so FSDP has gathered the head's weight), its output head maps the
-    hidden states [rows, positions, hidden] of the `selected` positions (default: every position that has a
-    target) to `_per_token` values [1, selected, 1 or 2], all at once or `chunk_tokens` at a time."""
+    hidden states [rows, positions, hidden] of the `selected` positions (`targets` [selected]: what each
+    predicts; default: the first len(targets) positions, in order) to `_per_token` values
+    [1, selected, 1 or 2], all at once or `chunk_tokens` at a time."""
     from torch.utils.checkpoint import checkpoint
 
     if getattr(model.config.get_text_config(), "final_logit_softcapping", None):
         raise ValueError(f"--actor.logprob_chunk_tokens: {type(model).__name__} soft-caps its logits after the "
                          "output head, which the chunked head does not; use 0")
     head = model.get_output_embeddings()
-    chosen = targets if selected is None else targets[selected]
 
     def chunk(hidden, chunk_targets):
         return _per_token(torch.nn.functional.linear(hidden, head.weight, head.bias), chunk_targets, with_entropy)
 
     def forward(hidden):  # a new tensor, not a view: FSDP hooks its backward on the root's output
-        hidden = hidden.flatten(0, -2)[:len(targets)]  # the rows of the packed grid, end to end
-        if selected is not None:
-            hidden = hidden[selected]
+        hidden = hidden.flatten(0, -2)  # the rows of the packed grid, end to end
+        hidden = hidden[:len(targets)] if selected is None else hidden[selected]
         if not chunk_tokens:
-            return torch.cat([chunk(hidden, chosen)[None]], dim=1)
-        return torch.cat([checkpoint(chunk, hidden[start:start + chunk_tokens], chosen[start:start + chunk_tokens],
+            return torch.cat([chunk(hidden, targets)[None]], dim=1)
+        return torch.cat([checkpoint(chunk, hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens],
                                      use_reentrant=False)[None]
                           for start in range(0, len(hidden), chunk_tokens)], dim=1)
 
@@ -222,9 +255,12 @@ class PolicyRank:
             self.reference = self._shard(self._load(model_dir, actor.backend), model_dir,
                                          replace(actor, activation_checkpointing="none"))
             self.reference.requires_grad_(False)
-        adamw = HostAdamW if actor.offload == "optimizer" else torch.optim.AdamW
-        self.optimizer = adamw([p for p in self.model.parameters() if p.requires_grad], lr=train.lr,
-                               weight_decay=train.weight_decay)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        # torch picks the per-tensor loop for FSDP2's DTensor parameters; the multi-tensor one is several
+        # times faster (one kernel per group of tensors, not several per tensor)
+        self.optimizer = (HostAdamW(trainable, lr=train.lr, weight_decay=train.weight_decay)
+                          if actor.offload == "optimizer" else
+                          torch.optim.AdamW(trainable, lr=train.lr, weight_decay=train.weight_decay, foreach=True))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(
             lr_factor, warmup_steps=train.warmup_steps, total_steps=steps * train.updates_per_batch,
             schedule=train.lr_schedule, min_ratio=train.min_lr_ratio))

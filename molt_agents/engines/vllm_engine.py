@@ -166,6 +166,9 @@ class VLLMEngine(SteppedEngine):
             seed=None if params.seed is None else params.seed + index,
             logprobs=params.top_logprobs,
             output_kind=RequestOutputKind.DELTA,
+            # Molt reads token ids, never vLLM's text: detokenize only to find stop strings.
+            detokenize=bool(params.stop),
+            skip_clone=True,  # these params are this request's own: vLLM need not deep-copy them
         )
         # Salting the prefix cache with the weight version keeps a new request off KV blocks that old
         # weights computed: under partial rollout, requests in flight still hold them (and vLLM refuses

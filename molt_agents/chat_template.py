@@ -6,16 +6,52 @@ and where a template's reasoning format (`<think>` blocks) is read off it.
 
 from __future__ import annotations
 
+import json
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 
 
 def render_text(tokenizer, messages: list[dict], tools: list[dict] | None = None,
                 add_generation_prompt: bool = True, **template_kwargs) -> str:
-    """The text of `messages` (and `tools`) under the tokenizer's chat template."""
-    return tokenizer.apply_chat_template(
+    """The text of `messages` (and `tools`) under the tokenizer's chat template.
+
+    Renders are remembered per tokenizer (the last `CACHED_RENDERS`): the episodes of a group start from
+    the same observation, and a template is a pure function of its input unless it reads the clock
+    (`strftime_now`), whose renders are never reused. Inputs that are not JSON (images) always render."""
+    try:
+        key = json.dumps([messages, tools or None, add_generation_prompt, template_kwargs], sort_keys=True)
+    except (TypeError, ValueError):
+        key = None
+    cache = _renders(tokenizer) if key is not None else None
+    if cache is not None and key in cache:
+        cache.move_to_end(key)
+        return cache[key]
+    text = tokenizer.apply_chat_template(
         messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False,
         **template_kwargs,
     )
+    if cache is not None:
+        cache[key] = text
+        if len(cache) > CACHED_RENDERS:
+            cache.popitem(last=False)
+    return text
+
+
+CACHED_RENDERS = 1024
+_RENDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> OrderedDict(key -> text), or False
+
+
+def _renders(tokenizer) -> OrderedDict | None:
+    """The tokenizer's remembered renders; None when its template reads the clock or it cannot be remembered."""
+    try:
+        cache = _RENDERS.get(tokenizer)
+        if cache is None:
+            clock = "strftime_now" in str(getattr(tokenizer, "chat_template", None) or "")
+            cache = _RENDERS[tokenizer] = False if clock else OrderedDict()
+        return None if cache is False else cache
+    except TypeError:  # an object that takes no weak references
+        return None
 
 
 def render_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None,

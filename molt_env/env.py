@@ -19,12 +19,18 @@ conversation after the policy's reply (a user turn, a tool result). Set
 
 For I/O-bound tasks (tools, remote judges) override the async pair
 `areset` / `astep`; by default they run the sync methods in a worker thread
-so a slow `step` never blocks the rollout event loop.
+so a slow `step` never blocks the rollout event loop. A class whose calls
+prove quick (its first `INLINE_AFTER` calls each under `QUICK_SECONDS`) has
+the rest run on the loop itself, without a thread's hand-offs (which cost
+more than such a call); one call that then takes over `SLOW_SECONDS` sends
+the class back to threads for the rest of the process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import gymnasium
@@ -53,7 +59,44 @@ class Env(gymnasium.Env):
         raise NotImplementedError(f"{type(self).__name__} must implement step()")
 
     async def areset(self, *, seed: int | None = None, options: dict | None = None):
-        return await asyncio.to_thread(self.reset, seed=seed, options=options)
+        return await _call(type(self), self.reset, seed=seed, options=options)
 
     async def astep(self, action: str):
-        return await asyncio.to_thread(self.step, action)
+        return await _call(type(self), self.step, action)
+
+
+QUICK_SECONDS = 0.001
+INLINE_AFTER = 64
+SLOW_SECONDS = 0.01
+
+
+@dataclass
+class _Timing:
+    quick_calls: int = 0  # calls in a row that took under QUICK_SECONDS, in threads
+    inline: bool = False
+    slow: bool = False  # a call on the loop took over SLOW_SECONDS: threads from now on
+
+
+_TIMINGS: dict[type, _Timing] = {}
+
+
+async def _call(cls: type, fn, *args, **kwargs):
+    """`fn(*args, **kwargs)`, a sync method of an `Env` subclass `cls`: in a worker thread, or on the event
+    loop once the class's calls have proved quick (see the module docstring)."""
+    timing = _TIMINGS.setdefault(cls, _Timing())
+    if timing.inline:
+        started = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if time.perf_counter() - started > SLOW_SECONDS:
+                timing.inline, timing.slow = False, True
+
+    def timed():
+        started = time.perf_counter()
+        return fn(*args, **kwargs), time.perf_counter() - started
+
+    result, seconds = await asyncio.to_thread(timed)
+    timing.quick_calls = timing.quick_calls + 1 if seconds < QUICK_SECONDS else 0
+    timing.inline = not timing.slow and timing.quick_calls >= INLINE_AFTER
+    return result

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -51,16 +52,21 @@ def registered() -> dict[str, str]:
     return dict(_SHORT_NAMES)
 
 
+_FILE_MODULES: dict[tuple[str, str], str] = {}  # (path/to/file.py, working directory) -> its module's name
+
+
 def load_class(spec: str):
     """The class named by `package.module:Class` or `path/to/file.py:Class`."""
     target, _, attribute = spec.rpartition(":")
     if not target or not attribute:
         raise ValueError(f"{spec!r}: expected package.module:Class or path/to/file.py:Class")
     if target.endswith(".py"):
-        path = Path(target)
-        if not path.is_file():
-            raise ValueError(f"{spec!r}: no file {path}")
-        module_name = f"molt_user_{abs(hash(str(path.resolve())))}"
+        where = (target, os.getcwd())  # a relative path names another file from another directory
+        module_name, path = _FILE_MODULES.get(where), Path(target)
+        if module_name is None:  # (resolving a path costs a system call per directory: once per file)
+            if not path.is_file():
+                raise ValueError(f"{spec!r}: no file {path}")
+            module_name = _FILE_MODULES[where] = f"molt_user_{abs(hash(str(path.resolve())))}"
         module = sys.modules.get(module_name)
         if module is None:  # load a file once per process, like an import
             loader_spec = importlib.util.spec_from_file_location(module_name, path)

@@ -67,6 +67,7 @@ class RolloutWorker:
         self.idle.set()
         self.admitting = asyncio.Event()
         self.admitting.set()
+        self.loading: asyncio.Future | None = None  # a weight update queued on the engine (`update_weights`)
 
     async def group(self, group_index: int, env_seed: int, size: int) -> dict:
         """Play `size` episodes of the environment seeded `env_seed`; its `Trajectory` records as they are
@@ -159,11 +160,30 @@ class RolloutWorker:
         self.channel = await asyncio.to_thread(Channel, host, port, rank, size, device)
 
     async def update_weights(self, weights: dict | None, partial_rollout: bool) -> int:
-        """Load new weights: `weights` given whole, or None to receive them bucket by bucket on the
-        channel (the engine loads each bucket as it arrives). With partial rollout, requests in flight
-        continue under the new weights; without, new episodes wait while those in flight finish on
-        the old weights."""
-        named = list(weights.items()) if weights is not None else self.channel.receive(self.buckets)
+        """Load new weights: `weights` given whole, or None to receive them on the channel. With partial
+        rollout, requests in flight continue under the new weights; without, new episodes wait while those
+        in flight finish on the old weights.
+
+        With partial rollout on a CPU engine the weights are taken whole into host memory first (off the
+        event loop), and the load is queued on the engine, ahead of anything asked of it later, for it to
+        do between two steps: this returns, and the trainer goes on, without waiting for the engine's
+        step in progress or the load (the version returned is the one the load gives). On GPU each
+        bucket goes into the engine as it arrives (no second copy of the weights in GPU memory)."""
+        import torch
+
+        if self.loading is not None:  # the previous update is in (its error, if any, is raised here)
+            loading, self.loading = self.loading, None
+            await loading
+        queued = partial_rollout and not torch.cuda.is_available()
+        if weights is not None:
+            named = list(weights.items())
+        elif queued:
+            named = await asyncio.to_thread(lambda: list(self.channel.receive(self.buckets)))
+        else:
+            named = self.channel.receive(self.buckets)
+        if queued:
+            self.loading = self.engine.queue_update(named)
+            return self.engine.version + 1
         if partial_rollout:
             await self.engine.pause()
             try:

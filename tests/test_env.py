@@ -174,3 +174,46 @@ def test_validator_names_what_is_wrong(changes, reason):
         check(trajectory)
     assert error.value.reason == reason
 
+
+
+def test_quick_env_calls_move_onto_the_event_loop_and_slow_ones_back_to_threads():
+    import asyncio
+    import threading
+    import time
+
+    import molt_env.env as env_module
+
+    class Timed(Env):
+        delay = 0.0
+
+        def reset(self, *, seed=None, options=None):
+            super().reset(seed=seed)
+            self.threads = []
+            return "go", {}
+
+        def step(self, action):
+            self.threads.append(threading.get_ident())
+            time.sleep(self.delay)
+            return "", 0.0, True, False, {}
+
+    class Slow(Timed):
+        delay = 0.002
+
+    async def play(env, calls):
+        for _ in range(calls):
+            await env.astep("x")
+        return threading.get_ident()
+
+    quick, slow = Timed(), Slow()
+    for env in (quick, slow):
+        env.reset(seed=0)
+    loop_thread = asyncio.run(play(quick, env_module.INLINE_AFTER + 3))
+    # the first INLINE_AFTER calls in threads, then on the loop
+    assert all(t != loop_thread for t in quick.threads[:env_module.INLINE_AFTER])
+    assert quick.threads[env_module.INLINE_AFTER:] == [loop_thread] * 3
+    loop_thread = asyncio.run(play(slow, env_module.INLINE_AFTER + 3))
+    assert loop_thread not in slow.threads  # 2 ms a call: never on the loop
+    Timed.delay = 2 * env_module.SLOW_SECONDS  # a quick class turns slow: one call on the loop, then threads
+    quick.threads = []
+    loop_thread = asyncio.run(play(quick, 3))
+    assert quick.threads[0] == loop_thread and loop_thread not in quick.threads[1:]

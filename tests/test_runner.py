@@ -54,3 +54,20 @@ def test_single_turn_arithmetic_episode(vllm_dense, dense_dir):
     check(trajectory)
     assert trajectory.info["turns"] == 1 and trajectory.reward in (0.0, 1.0)
     assert trajectory.info["reset_info"]["answer"] == environments.arithmetic.Arithmetic().reset(seed=4)[1]["answer"]
+
+
+def test_renders_are_remembered_unless_the_template_reads_the_clock(dense_dir):
+    import copy
+
+    from molt_agents.chat_template import _renders
+
+    tokenizer = AutoTokenizer.from_pretrained(dense_dir)
+    messages = [{"role": "user", "content": "3+4="}]
+    first = render_text(tokenizer, messages)
+    assert render_text(tokenizer, messages) == first == tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+    assert list(_renders(tokenizer).values()) == [first]
+    assert render_text(tokenizer, messages, add_generation_prompt=False) != first  # part of the key
+    clock = copy.deepcopy(tokenizer)
+    clock.chat_template = "{{ strftime_now('%H:%M:%S.%f') }}" + tokenizer.chat_template
+    assert _renders(clock) is None and render_text(clock, messages).endswith(first)

@@ -183,13 +183,18 @@ class SteppedEngine:
 
         Tokens sampled after it carry the new version; requests in flight continue.
         """
+        return await self.queue_update(named_tensors)
+
+    def queue_update(self, named_tensors) -> asyncio.Future:
+        """`update_weights`, queued now: the engine loads the weights before anything asked of it after this
+        call. The future gives the new version (or the load's error)."""
 
         def load():
             self._backend_reload(named_tensors)
             self.version += 1
             return self.version
 
-        return await self._call(load)
+        return self._queue(load)
 
     def close(self) -> None:
         if self._closed:
@@ -208,6 +213,11 @@ class SteppedEngine:
 
     async def _call(self, fn):
         """Run `fn` on the engine thread between two steps and await its result."""
+        return await self._queue(fn)
+
+    def _queue(self, fn) -> asyncio.Future:
+        """Queue `fn` for the engine thread (between two steps, after the jobs queued before it); its result
+        comes in the future."""
         if self._closed or self._dead is not None:
             raise RuntimeError(f"the engine is {'closed' if self._closed else f'stopped: {self._dead!r}'}")
         loop = asyncio.get_running_loop()
@@ -222,7 +232,7 @@ class SteppedEngine:
                 _notify(loop, _resolve, future, result)
 
         self._submit(job)
-        return await future
+        return future
 
     def _run(self) -> None:
         try:

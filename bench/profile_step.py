@@ -72,7 +72,8 @@ def molt_step(model_dir: str, items, steps: int, micro_batch_tokens: int, profil
     for step in range(steps + 2):
         if step == 2:
             times.clear()  # the first steps warm up allocators and caches
-        micro_batches = timed("pack", lambda: deal(pack(items, micro_batch_tokens, True, share_prefix), 1)[0])
+        tree_tokens = micro_batch_tokens if share_prefix else 0
+        micro_batches = timed("pack", lambda: deal(pack(items, micro_batch_tokens, True, tree_tokens), 1)[0])
         if profiler and step == steps + 1:
             return {"profile": _profiled(profiler, lambda: rank.step(micro_batches, step_tokens))} | _medians(times)
         timed("step", rank.step, micro_batches, step_tokens)

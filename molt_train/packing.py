@@ -13,8 +13,10 @@ forward/backward passes). `rows=False` packs each micro-batch as one row,
 without padding, in the items' order (for forwards that take one row:
 context-parallel splits, image inputs, NeMo AutoModel's own models).
 
-With `share_prefix`, items whose untrained heads are the same tokens (the
-samples of a group: one prompt, several replies) become one prefix tree:
+With `tree_tokens`, items whose untrained heads are the same tokens (the
+samples of a group: one prompt, several replies) become prefix trees of up
+to that many tokens (the trainer's: an episode's most, so that no row is
+wider than without trees, nor its attention mask larger):
 the head once, then each item's rest, its positions continuing from the
 head's. The tree's tokens attend to the head and to their own branch
 (`MicroBatch.branch`), and each branch's first token is predicted from the
@@ -75,18 +77,17 @@ class MicroBatch:
         return int(self.input_ids.numel())
 
 
-def pack(items: list[TrainItem], token_budget: int, rows: bool = True,
-         share_prefix: bool = False) -> list[MicroBatch]:
+def pack(items: list[TrainItem], token_budget: int, rows: bool = True, tree_tokens: int = 0) -> list[MicroBatch]:
     """Pack `items` into micro-batches of at most `token_budget` tokens, padding included.
 
     With `rows`, longest first: a micro-batch's rows are as wide as its first (longest) unit (an item, or
-    with `share_prefix` a prefix tree, see `trees`) and take each later one into the first row with room;
-    a unit longer than the budget gets a micro-batch of its own. Without, one row each, greedy in the
-    given order, no trees.
+    with `tree_tokens` a prefix tree of at most that many tokens, see `trees`) and take each later one into
+    the first row with room; a unit longer than the budget gets a micro-batch of its own. Without, one row
+    each, greedy in the given order, no trees.
     """
     if not rows:
         return [_micro_batch([[[item]] for item in group], None) for group in _greedy(items, token_budget)]
-    units = trees(items, token_budget) if share_prefix else [[item] for item in items]
+    units = trees(items, tree_tokens) if tree_tokens else [[item] for item in items]
     batches: list[list[list[list[TrainItem]]]] = []  # micro-batch -> row -> units
     widths: list[int] = []
     free: list[int] = []  # tokens left in each row of the last micro-batch
@@ -111,9 +112,9 @@ def head_length(item: TrainItem) -> int:
     return next((i for i, m in enumerate(item.mask) if m), len(item.mask))
 
 
-def trees(items: list[TrainItem], token_budget: int) -> list[list[TrainItem]]:
+def trees(items: list[TrainItem], max_tokens: int) -> list[list[TrainItem]]:
     """The items as units: a prefix tree is a list of items with the same untrained head (at least 2 tokens,
-    their expert routes there the same, no images), as many as fit `token_budget` with the head counted
+    their expert routes there the same, no images), as many as fit `max_tokens` with the head counted
     once; any other item is a unit alone. Order within a tree is the items' order."""
     units: list[list[TrainItem]] = []
     by_head: dict[tuple[int, ...], list[TrainItem]] = {}
@@ -127,7 +128,7 @@ def trees(items: list[TrainItem], token_budget: int) -> list[list[TrainItem]]:
         h = len(head)
         tree: list[TrainItem] = []
         for item in group:
-            if tree and (_length(tree) + len(item.token_ids) - h > token_budget or not _same_routes(tree[0], item, h)):
+            if tree and (_length(tree) + len(item.token_ids) - h > max_tokens or not _same_routes(tree[0], item, h)):
                 units.append(tree)
                 tree = []
             tree.append(item)

@@ -43,7 +43,9 @@ class TrainerGroup:
         self.data_parallel = config.actor.data_parallel
         self.replica_ranks = config.actor.world_size // self.data_parallel
         self.micro_batch_tokens, self.updates = config.train.micro_batch_tokens, config.train.updates_per_batch
-        self.share_prefix = config.train.share_prefix
+        # prefix trees as long as an episode may be: rows no wider than without them (see `packing`)
+        self.tree_tokens = (min(config.train.micro_batch_tokens, config.rollout.max_total_tokens)
+                            if config.train.share_prefix else 0)
         # Packed grids of rows for the fsdp2 backend; one row for AutoModel (its own classes, context parallel).
         self.rows = config.actor.backend == "fsdp2"
         actor = ray.remote(PolicyRank)
@@ -56,7 +58,7 @@ class TrainerGroup:
         """One optimizer step (or `updates_per_batch` of them) on `items`; the statistics of the whole group."""
         started = time.perf_counter()
         rows = self.rows and not any(item.images for item in items)
-        shares = deal(pack(items, self.micro_batch_tokens, rows, self.share_prefix), self.data_parallel)
+        shares = deal(pack(items, self.micro_batch_tokens, rows, self.tree_tokens), self.data_parallel)
         step_tokens = sum(sum(item.mask) for item in items)
         packed = time.perf_counter() - started
         stats = await _gather([rank.step.remote(shares[index // self.replica_ranks], step_tokens, self.updates)

@@ -69,7 +69,7 @@ def _reply(head, reply, advantage=1.0):
 
 def test_prefix_tree_layout():
     items = [_reply([5, 6, 7], [8, 9], 0.5), _reply([5, 6, 7], [10], -1.0), _reply([4, 6, 7], [11], 2.0)]
-    (mb,) = pack(items, token_budget=100, share_prefix=True)
+    (mb,) = pack(items, token_budget=100, tree_tokens=100)
     # the tree [5 6 7 | 8 9 | 10] (6 tokens) is one row, [4 6 7 11] and 2 tokens of padding the other
     assert (mb.width, mb.rows) == (6, 2)
     assert mb.input_ids.tolist() == [5, 6, 7, 8, 9, 10, 4, 6, 7, 11, 0, 0]
@@ -88,11 +88,11 @@ def test_prefix_trees_split_at_the_budget_and_at_different_routes():
 
     head = list(range(3, 13))
     items = [_reply(head, [20 + i] * 4) for i in range(5)]
-    sizes = [len(unit) for unit in trees(items, token_budget=10 + 3 * 4)]
+    sizes = [len(unit) for unit in trees(items, max_tokens=10 + 3 * 4)]
     assert sizes == [3, 2]  # the head (10) and three replies of 4 fit 22 tokens; the rest is a second tree
     routed = [replace(item, routes=np.zeros((14, 1, 2), np.int16)) for item in items[:3]]
     routed[2].routes[1] = 1  # the engine routed this item's prompt differently: it cannot share that head
-    assert [len(unit) for unit in trees(routed, token_budget=100)] == [2, 1]
+    assert [len(unit) for unit in trees(routed, max_tokens=100)] == [2, 1]
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
@@ -117,7 +117,7 @@ def test_prefix_tree_logprobs_and_gradients_equal_the_items_alone(dense_dir, att
                 mb.sequence == s] > 0]) for s in mb.sequence.unique()]
         return values, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
-    shared = pack(items, token_budget=64, share_prefix=True)
+    shared = pack(items, token_budget=64, tree_tokens=64)
     plain = pack(items, token_budget=64)
     assert any(mb.branch is not None for mb in shared)
     assert sum(mb.num_tokens for mb in shared) < sum(mb.num_tokens for mb in plain)

@@ -176,12 +176,17 @@ def test_validator_names_what_is_wrong(changes, reason):
 
 
 
-def test_quick_env_calls_move_onto_the_event_loop_and_slow_ones_back_to_threads():
+def test_quick_env_calls_move_onto_the_event_loop_and_slow_ones_back_to_threads(monkeypatch):
     import asyncio
     import threading
     import time
 
     import molt_env.env as env_module
+
+    # thresholds far from the calls' own times, so a loaded machine's preemption cannot move a call across them
+    monkeypatch.setattr(env_module, "QUICK_SECONDS", 0.05)
+    monkeypatch.setattr(env_module, "SLOW_SECONDS", 0.05)
+    monkeypatch.setattr(env_module, "INLINE_AFTER", 8)
 
     class Timed(Env):
         delay = 0.0
@@ -197,7 +202,7 @@ def test_quick_env_calls_move_onto_the_event_loop_and_slow_ones_back_to_threads(
             return "", 0.0, True, False, {}
 
     class Slow(Timed):
-        delay = 0.002
+        delay = 0.1
 
     async def play(env, calls):
         for _ in range(calls):
@@ -212,7 +217,7 @@ def test_quick_env_calls_move_onto_the_event_loop_and_slow_ones_back_to_threads(
     assert all(t != loop_thread for t in quick.threads[:env_module.INLINE_AFTER])
     assert quick.threads[env_module.INLINE_AFTER:] == [loop_thread] * 3
     loop_thread = asyncio.run(play(slow, env_module.INLINE_AFTER + 3))
-    assert loop_thread not in slow.threads  # 2 ms a call: never on the loop
+    assert loop_thread not in slow.threads  # every call over QUICK_SECONDS: never on the loop
     Timed.delay = 2 * env_module.SLOW_SECONDS  # a quick class turns slow: one call on the loop, then threads
     quick.threads = []
     loop_thread = asyncio.run(play(quick, 3))

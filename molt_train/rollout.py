@@ -68,11 +68,13 @@ class RolloutWorker:
         self.admitting = asyncio.Event()
         self.admitting.set()
         self.loading: asyncio.Future | None = None  # a weight update queued on the engine (`update_weights`)
+        self.loop: asyncio.AbstractEventLoop | None = None  # the loop the episodes run on (`group`, `evaluate`)
 
     async def group(self, group_index: int, env_seed: int, size: int) -> dict:
         """Play `size` episodes of the environment seeded `env_seed`; its `Trajectory` records as they are
         (Ray pickles them with their numpy routes and image tensors in place; no JSON-style copy)."""
         started = time.perf_counter()
+        self.loop = asyncio.get_running_loop()
         episodes = await asyncio.gather(*(self._episode(group_index, env_seed, i) for i in range(size)))
         trajectories, failures = [], []
         for result in episodes:
@@ -89,6 +91,7 @@ class RolloutWorker:
         `on_episode(record)`, for a caller in this process, is called as each one finishes."""
         from molt_train.evaluate import episode_record
 
+        self.loop = asyncio.get_running_loop()
         params = SamplingParams(**sampling)
 
         async def play(episode: int, sample: int) -> dict:
@@ -159,31 +162,39 @@ class RolloutWorker:
         self.buckets = plan_buckets(metas, bucket_bytes)
         self.channel = await asyncio.to_thread(Channel, host, port, rank, size, device)
 
+    @ray.method(concurrency_group="control")
     async def update_weights(self, weights: dict | None, partial_rollout: bool) -> int:
         """Load new weights: `weights` given whole, or None to receive them on the channel. With partial
         rollout, requests in flight continue under the new weights; without, new episodes wait while those
         in flight finish on the old weights.
 
-        With partial rollout on a CPU engine the weights are taken whole into host memory first (off the
-        event loop), and the load is queued on the engine, ahead of anything asked of it later, for it to
-        do between two steps: this returns, and the trainer goes on, without waiting for the engine's
-        step in progress or the load (the version returned is the one the load gives). On GPU each
-        bucket goes into the engine as it arrives (no second copy of the weights in GPU memory)."""
+        As a Ray actor this runs on an event loop of its own (the `control` concurrency group): a CPU engine
+        steps on the episodes' loop, in turns with them, and the trainer's broadcast need not wait for a
+        turn. With partial rollout on a CPU engine the weights are taken whole into host memory first, and
+        the load is queued on the engine, ahead of anything asked of it later, for it to do between two
+        steps: this returns, and the trainer goes on, without waiting for the engine's step in progress or
+        the load (the version returned is the one the load gives). Otherwise the update runs on the
+        episodes' loop; on GPU each bucket goes into the engine as it arrives (no second copy of the
+        weights in GPU memory)."""
         import torch
 
         if self.loading is not None:  # the previous update is in (its error, if any, is raised here)
             loading, self.loading = self.loading, None
             await loading
-        queued = partial_rollout and not torch.cuda.is_available()
+        if not partial_rollout or torch.cuda.is_available():
+            update = self._update_weights(weights, partial_rollout)
+            if self.loop is None or self.loop is asyncio.get_running_loop():
+                return await update
+            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(update, self.loop))
         if weights is not None:
             named = list(weights.items())
-        elif queued:
-            named = await asyncio.to_thread(lambda: list(self.channel.receive(self.buckets)))
         else:
-            named = self.channel.receive(self.buckets)
-        if queued:
-            self.loading = self.engine.queue_update(named)
-            return self.engine.version + 1
+            named = await asyncio.to_thread(lambda: list(self.channel.receive(self.buckets)))
+        self.loading = self.engine.queue_update(named)
+        return self.engine.version + 1
+
+    async def _update_weights(self, weights: dict | None, partial_rollout: bool) -> int:
+        named = list(weights.items()) if weights is not None else self.channel.receive(self.buckets)
         if partial_rollout:
             await self.engine.pause()
             try:
@@ -213,7 +224,10 @@ class RolloutWorker:
     async def wake(self) -> None:
         await self.engine.wake()
 
+    @ray.method(concurrency_group="control")
     def instance(self) -> str:
+        """This process's id (new when Ray restarts the worker); answered off the episodes' loop, like
+        `update_weights`, so the check before each weight sync waits for no engine step."""
         return self.id
 
 

@@ -111,7 +111,7 @@ class Runtime:
                       options=engine_options(config.engine, config.actor.colocate))
         # A worker whose process dies is restarted by Ray with these arguments; `check_workers` then gives it
         # the current weights and version.
-        worker = ray.remote(max_restarts=WORKER_RESTARTS)(RolloutWorker)
+        worker = ray.remote(max_restarts=WORKER_RESTARTS, concurrency_groups={"control": 1})(RolloutWorker)
         self.workers = [worker.options(**self.placement.engine(i).options()).remote(
                             start_dir, config.env, engine, sampling, rollout.max_total_tokens, config.seed + i,
                             state["version"], config.agent, rollout.episode_timeout, rollout.allow_remote_images)

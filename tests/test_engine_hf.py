@@ -11,9 +11,11 @@ from molt_agents.engines import SamplingParams, make_engine
 from molt_agents.engines.hf_engine import sample_token
 
 
-@pytest.fixture(scope="module")
-def hf_moe(moe_dir):
-    engine = make_engine("hf", moe_dir)
+@pytest.fixture(scope="module", params=["loop", "thread"])
+def hf_moe(moe_dir, request):
+    """The engine stepping on the event loop (as CPU engines do) and on a thread of its own (as GPU ones do)."""
+    engine = make_engine("hf", moe_dir, stepping=request.param)
+    assert engine.stepping == request.param
     yield engine
     engine.close()
 
@@ -136,6 +138,35 @@ def test_engine_survives_a_caller_whose_event_loop_closed(hf_moe, moe_dir):
     time.sleep(0.5)
     (sample,) = run(asyncio.wait_for(hf_moe.generate(prompt, SamplingParams(max_tokens=3, seed=1)), 60))
     assert 1 <= len(sample.token_ids) <= 3
+
+
+def test_requests_from_two_event_loops_at_once_and_a_loop_that_ends_first(hf_moe, moe_dir):
+    """Callers on two threads' loops share the engine: both get their samples, exact and stamped; when the
+    loop that was stepping ends, the other loop's request still finishes (the stepping moves to it)."""
+    import asyncio
+    import threading
+
+    prompt = _prompt(moe_dir)
+    results = {}
+
+    def other_thread():
+        results["other"] = asyncio.run(hf_moe.generate(prompt, SamplingParams(max_tokens=40, seed=7)))
+
+    async def here():
+        first = asyncio.ensure_future(hf_moe.generate(prompt, SamplingParams(max_tokens=2, seed=6)))
+        await asyncio.sleep(0)  # this loop asks first
+        thread.start()
+        return await first  # then this loop ends while the other thread's request is still sampling
+
+    thread = threading.Thread(target=other_thread)
+    (mine,) = run(here())
+    thread.join(timeout=120)
+    assert not thread.is_alive(), "the other loop's request never finished"
+    (theirs,) = results["other"]
+    assert len(mine.token_ids) <= 2 and 1 <= len(theirs.token_ids) <= 40
+    model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    assert _check_against_transformers(model, prompt, [mine, theirs]) < 1e-5
+    assert set(mine.versions) == set(theirs.versions) == {hf_moe.version}
 
 
 def test_multi_turn_episode_carries_the_routes_of_every_position(hf_moe, moe_dir):

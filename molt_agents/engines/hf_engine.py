@@ -117,7 +117,8 @@ class _Request:
 
 class HFEngine(SteppedEngine):
     def __init__(self, model: str | Path, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 4096,
-                 max_batch: int = 32, device: str | None = None):
+                 max_batch: int = 32, device: str | None = None, stepping: str | None = None):
+        """`stepping`: where the steps run (`SteppedEngine`); default: a thread on GPU, the event loop on CPU."""
         from transformers import AutoTokenizer
 
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -133,7 +134,7 @@ class HFEngine(SteppedEngine):
         self._routers = router_modules(self.model)
         for router in self._routers:
             router.register_forward_hook(lambda module, args, output: self._captured.append(output[-1]))
-        super().__init__()
+        super().__init__(stepping=stepping or ("thread" if self.device.type == "cuda" else "loop"))
 
     def _backend_start(self, request_id, prompt_ids, params: SamplingParams, index, images=None):
         if len(prompt_ids) >= self.max_model_len:

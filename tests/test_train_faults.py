@@ -67,9 +67,24 @@ def started():
             process.wait()
 
 
+def _slow_digit(tmp_path, seconds: float) -> str:
+    """The digit task with every env step taking `seconds`: a run whose steps take long enough to act on."""
+    env = tmp_path / "slow.py"
+    env.write_text("import time\n"
+                   "from environments.digit import Digit\n"
+                   "class Slow(Digit):\n"
+                   "    def step(self, action):\n"
+                   f"        time.sleep({seconds})\n"
+                   "        return super().step(action)\n")
+    return f"{env}:Slow"
+
+
 def test_a_killed_run_resumes_with_its_own_config(tmp_path, ray_address, started):
     out = tmp_path / "run"
-    process = _start(out, ray_address, "--seed", "2", "--steps", "8", "--ckpt.every", "2", started=started)
+    # Episodes of 0.3 s: the run is still going when it is killed after step 3 (the plain task's 8 steps
+    # can all be done before a poll sees step 3).
+    process = _start(out, ray_address, "--env", _slow_digit(tmp_path, 0.3), "--seed", "2", "--steps", "8",
+                     "--ckpt.every", "2", started=started)
     _wait_for(process, lambda: len(_metrics(out)) >= 3 and (out / "checkpoints/step_000002").exists(), "step 3")
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
@@ -103,14 +118,7 @@ def test_a_run_that_loses_a_worker_then_its_trainer_resumes_into_the_uninterrupt
     The resumed run loses no step and, step by step, equals the same run never interrupted."""
     # The digit task, its episodes taking a second, so the worker is playing the next step's groups when it
     # is killed.
-    env = tmp_path / "slow.py"
-    env.write_text("import time\n"
-                   "from environments.digit import Digit\n"
-                   "class Slow(Digit):\n"
-                   "    def step(self, action):\n"
-                   "        time.sleep(1.0)\n"
-                   "        return super().step(action)\n")
-    flags = ["--env", f"{env}:Slow", "--seed", "1", "--steps", "5", "--ckpt.every", "2",
+    flags = ["--env", _slow_digit(tmp_path, 1.0), "--seed", "1", "--steps", "5", "--ckpt.every", "2",
              "--train.async_queue_size", "0"]
     _train(tmp_path / "whole", ray_address, *flags)
     whole = _metrics(tmp_path / "whole")

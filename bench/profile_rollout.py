@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import tempfile
@@ -63,7 +64,7 @@ async def _profiled(awaitable) -> str:
     await awaitable
     profile.disable()
     out = io.StringIO()
-    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(30)
+    pstats.Stats(profile, stream=out).sort_stats(*os.environ.get("MOLT_PROFILE_SORT", "tottime").split(",")).print_stats(int(os.environ.get("MOLT_PROFILE_LINES", "30")))
     return out.getvalue()
 
 

@@ -11,6 +11,10 @@ one: a local Ray that Molt starts counts at least one CPU per process it places)
   rendezvous of the trainer's process group is on rank 0's node.
 - `actor.colocate` (GPU only): engine replica i shares trainer rank i's GPU, half a GPU each in Ray's
   accounting; the engines sleep (vLLM frees their weights and KV cache) while the trainer steps.
+- Threads on CPU: a process computes with as many threads as it has CPUs (Ray's default), except in
+  a synchronous run (`--train.async_queue_size 0`) on a local Ray without GPUs, where the engines and
+  the trainer take turns, never computing at once: there each takes an equal share of all the
+  machine's CPUs for its turn (`turn_threads`), as a single-process trainer would.
 
 A reservation the cluster cannot hold is refused before anything starts, with what it needs and what
 the cluster has; one that is not placed within the timeout (enough devices, but not on one node) says
@@ -38,9 +42,13 @@ class Slot:
     strategy: PlacementGroupSchedulingStrategy
     num_cpus: float
     num_gpus: float
+    threads: int | None = None  # the process's compute threads, where not its CPUs (`turn_threads`)
 
     def options(self) -> dict:
-        return dict(scheduling_strategy=self.strategy, num_cpus=self.num_cpus, num_gpus=self.num_gpus)
+        options = dict(scheduling_strategy=self.strategy, num_cpus=self.num_cpus, num_gpus=self.num_gpus)
+        if self.threads is not None:  # read by torch (and vLLM's CPU worker) as the process starts
+            options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": str(self.threads)}}
+        return options
 
 
 def bundles(config: Config, gpus: bool) -> tuple[list[dict], list[dict]]:
@@ -65,6 +73,18 @@ def check_fits(config: Config, engines: list[dict], trainer: list[dict], cluster
                 f"--engine.data_parallel_size {e.data_parallel_size} x --engine.tensor_parallel_size "
                 f"{e.tensor_parallel_size} + --actor.world_size {config.actor.world_size}: the run places "
                 f"{need:g} {resource}s and the Ray cluster has {have:g}")
+
+
+def turn_threads(config: Config, cpus: int, gpus: bool) -> tuple[int | None, int | None]:
+    """Compute threads of an engine process and of a trainer rank when they take turns on the `cpus` of one
+    machine (a synchronous run on a local Ray without GPUs): the engines' processes share all of them while
+    they generate, then the trainer's ranks while they train. None, None otherwise (a process computes on
+    its own CPUs: in an asynchronous run both compute at once, and a joined cluster's other CPUs are not
+    the run's to take)."""
+    if gpus or config.ray.address or config.train.async_queue_size:
+        return None, None
+    engine_processes = config.engine.data_parallel_size * config.engine.tensor_parallel_size
+    return max(1, cpus // engine_processes), max(1, cpus // config.actor.world_size)
 
 
 def node_order(bundle_nodes: list[str]) -> list[int]:
@@ -102,6 +122,7 @@ class Placement:
         table = ray.util.placement_group_table(self.trainer_group)["bundles_to_node_id"]
         self.rank_bundles = node_order([table[index] for index in range(len(trainer))])
         self.gpus, self.colocate = gpus, config.actor.colocate
+        self.engine_threads, self.trainer_threads = turn_threads(config, int(cluster.get("CPU", 1)), gpus)
         return self
 
     def engine(self, replica: int) -> Slot:
@@ -109,13 +130,14 @@ class Placement:
             return Slot(PlacementGroupSchedulingStrategy(self.trainer_group, self.rank_bundles[replica]), 0.5, 0.5)
         group = self.engine_groups[replica]
         bundle = group.bundle_specs[0]
-        return Slot(PlacementGroupSchedulingStrategy(group, 0), bundle["CPU"], bundle.get("GPU", 0))
+        return Slot(PlacementGroupSchedulingStrategy(group, 0), bundle["CPU"], bundle.get("GPU", 0),
+                    self.engine_threads)
 
     def trainer_rank(self, rank: int) -> Slot:
         strategy = PlacementGroupSchedulingStrategy(self.trainer_group, self.rank_bundles[rank])
         if self.colocate:
             return Slot(strategy, 0.5, 0.5)
-        return Slot(strategy, 1, 1 if self.gpus else 0)
+        return Slot(strategy, 1, 1 if self.gpus else 0, self.trainer_threads)
 
     def nodes(self) -> dict[str, list[str]]:
         """Node ids of the engine replicas and the trainer ranks (rank order), for the start-up report."""

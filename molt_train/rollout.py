@@ -5,7 +5,12 @@ A worker hosts one engine and plays episodes with the env runner; a group is
 `GroupStream` keeps groups in flight across the workers and hands finished
 ones to the trainer through a bounded queue: with `async_queue_size = 0` it
 only generates what the next step consumes (synchronous, on-policy); above
-0 generation runs ahead of training by up to that many groups.
+0 generation runs ahead of training by up to that many groups. Groups go to
+a worker in chunks, a step's share of the workers at a time, in one call:
+the chunk's requests reach the engine together and fill its first steps,
+where one call per group arrived staggered, each starting engine steps of
+its own (on the benchmark's step of 16 groups: 121 ms in 16 calls, 92 ms in
+one).
 
 An environment that raises costs its episode, not the run: the group comes
 back without it and the failure is counted. A worker whose process dies
@@ -69,6 +74,10 @@ class RolloutWorker:
         self.admitting.set()
         self.loading: asyncio.Future | None = None  # a weight update queued on the engine (`update_weights`)
         self.loop: asyncio.AbstractEventLoop | None = None  # the loop the episodes run on (`group`, `evaluate`)
+
+    async def groups(self, chunk: list[tuple[int, int]], size: int) -> list[dict]:
+        """`group` for every `(group_index, env_seed)` of `chunk`, played at once; their records in that order."""
+        return list(await asyncio.gather(*(self.group(index, seed, size) for index, seed in chunk)))
 
     async def group(self, group_index: int, env_seed: int, size: int) -> dict:
         """Play `size` episodes of the environment seeded `env_seed`; its `Trajectory` records as they are
@@ -241,28 +250,37 @@ class GroupStream:
         self.groups_per_step, self.queue_size, self.seed = groups_per_step, queue_size, seed
         self.next_index = next_index
         self.redo = sorted(redo or ())  # groups started but not trained before a resume
-        self.in_flight: dict[asyncio.Future, int] = {}  # group index
+        self.in_flight: dict[asyncio.Future, list[int]] = {}  # a chunk's group indices
         self.done: list[dict] = []
         self.lost = 0  # groups whose worker died while playing them, since the last `take_lost`
         self._turn = 0
+        # a step's groups in one call per worker
+        self.chunk_size = max(1, -(-groups_per_step // max(len(workers), 1)))
 
     def env_seed(self, index: int) -> int:
         return train_seed(self.seed, index)
 
-    def _submit(self) -> None:
-        if self.redo:
-            index = self.redo.pop(0)
-        else:
-            index, self.next_index = self.next_index, self.next_index + 1
+    def _submit(self, count: int) -> None:
+        """Start `count` groups on the next worker, in one call."""
+        indices = []
+        for _ in range(count):
+            if self.redo:
+                indices.append(self.redo.pop(0))
+            else:
+                indices.append(self.next_index)
+                self.next_index += 1
         worker = self.workers[self._turn % len(self.workers)]
         self._turn += 1
-        ref = worker.group.remote(index, self.env_seed(index), self.group_size)
-        self.in_flight[asyncio.ensure_future(ref)] = index
+        ref = worker.groups.remote([(index, self.env_seed(index)) for index in indices], self.group_size)
+        self.in_flight[asyncio.ensure_future(ref)] = indices
 
     def fill(self) -> None:
         """Keep groups in flight: this step's, plus the look-ahead in async mode."""
-        while len(self.in_flight) + len(self.done) < self.groups_per_step + self.queue_size:
-            self._submit()
+        while (missing := self.groups_per_step + self.queue_size - self._pending() - len(self.done)) > 0:
+            self._submit(min(missing, self.chunk_size))
+
+    def _pending(self) -> int:
+        return sum(map(len, self.in_flight.values()))
 
     async def take(self) -> list[dict]:
         """The next step's groups (waits for them); starts the groups that replace them."""
@@ -271,13 +289,13 @@ class GroupStream:
             finished, _ = await asyncio.wait(list(self.in_flight), return_when=asyncio.FIRST_COMPLETED)
             lost = 0
             for future in finished:
-                index = self.in_flight.pop(future)
+                indices = self.in_flight.pop(future)
                 try:
-                    self.done.append(future.result())
-                except ray.exceptions.RayActorError:  # the worker's process died: play the group again
-                    lost += 1
-                    self.redo = sorted([*self.redo, index])
-            if lost:  # (its other groups in flight fail too, and are redone the same way)
+                    self.done += future.result()
+                except ray.exceptions.RayActorError:  # the worker's process died: play its groups again
+                    lost += len(indices)
+                    self.redo = sorted([*self.redo, *indices])
+            if lost:  # (its other chunks in flight fail too, and are redone the same way)
                 self.lost += lost
                 if self.recover is not None:
                     await self.recover()
@@ -294,5 +312,6 @@ class GroupStream:
 
     def position(self) -> dict:
         """The data position for a checkpoint: groups started but not trained are redone on resume."""
-        pending = set(self.in_flight.values()) | {g["group_index"] for g in self.done} | set(self.redo)
+        pending = ({i for chunk in self.in_flight.values() for i in chunk} | {g["group_index"] for g in self.done}
+                   | set(self.redo))
         return {"next_index": self.next_index, "redo": sorted(pending)}

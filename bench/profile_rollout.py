@@ -1,10 +1,10 @@
 """Profile one step's rollouts of the benchmark workload, in this process (no Ray, no trainer).
 
-    .venv/bin/python bench/profile_rollout.py [--workload small] [--steps 10] [--cprofile]
+    .venv/bin/python bench/profile_rollout.py [--workload small] [--steps 10] [--cprofile [--sort cumulative]]
 
 Builds Molt's `RolloutWorker` (the vLLM engine, the env runner) on the
-workload's model and plays a step's 16 groups of 8 episodes at once, as the
-group stream submits them, `--steps` times (the median). Next to it, the
+workload's model and plays a step's 16 groups of 8 episodes at once, in one
+`groups` call as the group stream submits them, `--steps` times (the median). Next to it, the
 floor: the same 128 samples from `vllm.LLM.generate` in one call, prompts
 tokenized beforehand.
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import sys
 import tempfile
@@ -24,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workload  # noqa: E402
 
 
-def molt_rollouts(model_dir: str, name: str, steps: int, profiler: bool) -> dict:
+def molt_rollouts(model_dir: str, name: str, steps: int, profiler: bool, sort: str = "tottime") -> dict:
     from molt_train.rollout import RolloutWorker
 
     sampling = dict(temperature=workload.TEMPERATURE, top_p=1.0, max_tokens=workload.WORKLOADS[name]["max_tokens"],
@@ -34,15 +33,15 @@ def molt_rollouts(model_dir: str, name: str, steps: int, profiler: bool) -> dict
                            512)
 
     async def one_step(step: int):
-        return await asyncio.gather(*(worker.group(step * 16 + g, 1000 * step + g, workload.GROUP_SIZE)
-                                      for g in range(workload.GROUPS_PER_STEP)))
+        return await worker.groups([(step * 16 + g, 1000 * step + g) for g in range(workload.GROUPS_PER_STEP)],
+                                   workload.GROUP_SIZE)
 
     async def run():
         times = []
         for step in range(steps + 2):
             started = time.perf_counter()
             if profiler and step == steps + 1:
-                return {"profile": await _profiled(one_step(step))} | {"step": statistics.median(times)}
+                return {"profile": await _profiled(one_step(step), sort)} | {"step": statistics.median(times)}
             await one_step(step)
             if step >= 2:
                 times.append(time.perf_counter() - started)
@@ -54,7 +53,7 @@ def molt_rollouts(model_dir: str, name: str, steps: int, profiler: bool) -> dict
         worker.engine.close()
 
 
-async def _profiled(awaitable) -> str:
+async def _profiled(awaitable, sort: str) -> str:
     import cProfile
     import io
     import pstats
@@ -64,7 +63,7 @@ async def _profiled(awaitable) -> str:
     await awaitable
     profile.disable()
     out = io.StringIO()
-    pstats.Stats(profile, stream=out).sort_stats(*os.environ.get("MOLT_PROFILE_SORT", "tottime").split(",")).print_stats(int(os.environ.get("MOLT_PROFILE_LINES", "30")))
+    pstats.Stats(profile, stream=out).sort_stats(sort).print_stats(40)
     return out.getvalue()
 
 
@@ -103,10 +102,11 @@ def main() -> None:
     parser.add_argument("--model", help="the workload's model (default: build it in a temporary directory)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--cprofile", action="store_true")
+    parser.add_argument("--sort", default="tottime", help="cProfile's order (tottime, cumulative, ...)")
     parser.add_argument("--floor", action="store_true", help="also time the floor (a second vLLM engine)")
     args = parser.parse_args()
     model_dir = args.model or str(workload.build(args.workload, tempfile.mkdtemp(prefix="molt-bench-")))
-    result = molt_rollouts(model_dir, args.workload, args.steps, args.cprofile)
+    result = molt_rollouts(model_dir, args.workload, args.steps, args.cprofile, args.sort)
     if "profile" in result:
         print(result.pop("profile"))
     if args.floor:

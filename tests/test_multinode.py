@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from molt_train.config import Config, ConfigError
-from molt_train.placement import bundles, check_fits, node_order
+from molt_train.placement import Slot, bundles, check_fits, node_order, turn_threads
 
 RAY = str(Path(sys.executable).with_name("ray"))
 ENV = os.environ | {"RAY_AUTH_MODE": "disabled"}  # two local nodes; token auth is for real clusters
@@ -41,6 +41,41 @@ def test_bundles_follow_the_flags_and_a_run_larger_than_the_cluster_is_refused()
         check_fits(config, engines, trainer, {"GPU": 8, "CPU": 64})
     engines, trainer = bundles(config, gpus=False)
     assert engines == [{"CPU": 4}] * 2 and trainer == [{"CPU": 1}] * 8
+
+
+def test_engines_and_trainer_take_every_cpu_for_their_turns_only_when_synchronous_on_a_local_cpu_ray():
+    config = Config()
+    config.train.async_queue_size = 0
+    config.engine.data_parallel_size, config.actor.world_size = 2, 3
+    assert turn_threads(config, 12, gpus=False) == (6, 4)
+    config.engine.tensor_parallel_size = 4  # 8 engine processes share the 12 CPUs while they generate
+    assert turn_threads(config, 12, gpus=False) == (1, 4)
+    assert turn_threads(config, 12, gpus=True) == (None, None)
+    config.ray.address = "auto"  # a joined cluster's other CPUs are not the run's
+    assert turn_threads(config, 12, gpus=False) == (None, None)
+    config.ray.address, config.train.async_queue_size = None, 16  # asynchronous: both compute at once
+    assert turn_threads(config, 12, gpus=False) == (None, None)
+
+
+def test_a_slots_threads_reach_its_process(ray_address):
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    @ray.remote
+    def threads():
+        import torch
+
+        return os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
+
+    group = placement_group([{"CPU": 1}])
+    ray.get(group.ready())
+    try:
+        strategy = PlacementGroupSchedulingStrategy(group, 0)
+        assert ray.get(threads.options(**Slot(strategy, 1, 0, threads=2).options()).remote()) == ("2", 2)
+        assert ray.get(threads.options(**Slot(strategy, 1, 0).options()).remote()) == ("1", 1)  # Ray's: its CPUs
+    finally:
+        remove_placement_group(group)
 
 
 def test_colocate_is_refused_on_a_cluster_without_gpus(ray_address):

@@ -170,3 +170,44 @@ def test_an_actor_that_fails_to_start_is_one_line_naming_it(tmp_path, ray_addres
     assert len(failure) == 1 and "failed to start: " in failure[0] and "model.safetensors" in failure[0], stdout
     assert f"(traceback in {out / 'molt.log'})" in failure[0] and "Traceback" not in stdout
     assert "Traceback" in (out / "molt.log").read_text()
+
+
+def test_a_step_of_groups_goes_to_each_worker_in_one_call_and_a_lost_call_is_played_again():
+    """The stream's bookkeeping over stand-in workers (in process, no Ray: what is checked is which calls
+    the stream makes, and what it redoes when one fails as a dead worker's does)."""
+    import asyncio
+
+    import ray
+
+    from molt_train.rollout import GroupStream
+
+    class Worker:
+        def __init__(self, fail_first=False):
+            self.calls, self.fail_first = [], fail_first
+            self.groups = self  # `worker.groups.remote(...)`, as on a Ray actor handle
+
+        def remote(self, chunk, size):
+            self.calls.append([index for index, _ in chunk])
+            future = asyncio.get_running_loop().create_future()
+            if self.fail_first and len(self.calls) == 1:
+                future.set_exception(ray.exceptions.RayActorError())
+            else:
+                future.set_result([{"group_index": index, "seed": seed, "size": size} for index, seed in chunk])
+            return future
+
+    async def run():
+        workers = [Worker(), Worker(fail_first=True)]
+        stream = GroupStream(workers, group_size=8, groups_per_step=6, queue_size=0, seed=0)
+        first = await stream.take()
+        second = await stream.take()
+        return workers, stream, first, second
+
+    workers, stream, first, second = asyncio.run(run())
+    # 6 groups a step on 2 workers: 3 each, in one call; worker 1's first call is lost and its groups redone
+    assert workers[0].calls[0] == [0, 1, 2] and workers[1].calls[0] == [3, 4, 5]
+    assert all(len(call) == 3 for worker in workers for call in worker.calls)
+    assert sorted(g["group_index"] for g in first) == [0, 1, 2, 3, 4, 5]
+    assert stream.take_lost() == 3
+    assert all(g["seed"] == stream.env_seed(g["group_index"]) and g["size"] == 8 for g in first + second)
+    assert sorted(g["group_index"] for g in second) == [6, 7, 8, 9, 10, 11]
+    assert stream.position() == {"next_index": 12, "redo": []}

@@ -112,8 +112,9 @@ class TrainConfig:
 class AlgoConfig:
     """The RL algorithm."""
 
-    estimator: Literal["reinforce_pp", "reinforce_pp_baseline", "grpo", "dr_grpo", "rloo", "gspo"] = "reinforce_pp"
-    """Advantage estimator."""
+    estimator: Literal["reinforce_pp", "reinforce_pp_baseline", "grpo", "dr_grpo", "rloo", "gspo"] = \
+        "reinforce_pp_baseline"
+    """Advantage estimator (the default: each reward less its group's mean, then whitened over the batch)."""
     clip_low: float = 0.2
     """PPO clip below 1 (GSPO: use about 3e-4)."""
     clip_high: float = 0.28

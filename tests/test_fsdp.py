@@ -4,10 +4,14 @@ checkpoint once, on rank 0, into exactly the weights of a single-process load.
 Two real processes, a real gloo process group, the real tiny models, sharded
 by our `fully_shard` wrapper and by NeMo AutoModel's parallelizer.
 
-The learning rate is 1e-3: Adam's first step is lr * g / (|g| + eps), so for a
-gradient near eps (an expert that saw few tokens has |g| ~ 1e-10) the last-bit
-rounding difference between a sharded and an unsharded reduction becomes a
-visible fraction of lr. The 1e-5 bound is therefore 1% of the step size.
+Adam's first step is lr * g / (|g| + eps); its slope in g is largest at g = 0,
+lr / eps. With torch's eps of 1e-8 that slope is 1e5, so the last-bit difference
+between a sharded and an unsharded reduction of a near-zero gradient (an expert
+that saw few tokens) moves a weight by 2e-5, a fiftieth of the whole step, and
+the comparison measures summation order. With eps 1e-5 the slope is 100:
+rounding moves a weight by under 1e-6, while a real error (a gradient not
+averaged over ranks, a shard left out, a wrong optimizer state) still moves it
+by a visible fraction of lr = 1e-3. The bound, 1e-5, is 1% of the step.
 """
 
 import os
@@ -20,6 +24,7 @@ import torch.multiprocessing as mp
 
 WORLD = 2
 LR = 1e-3
+EPS = 1e-5
 
 
 def _batch(vocab: int) -> torch.Tensor:
@@ -50,7 +55,7 @@ def _rank_step(rank: int, model_dir: str, backend: str, init_method: str, out_pa
         model = automodel.shard_model(automodel.load_native(model_dir))
     else:
         model = automodel.shard_model(_load(model_dir))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     ids = _batch(model.config.vocab_size).chunk(WORLD)[rank]  # each rank its share of the batch
     _loss(model, ids).backward()  # FSDP averages gradients over ranks = gradient of the batch mean
     optimizer.step()
@@ -78,7 +83,7 @@ def test_fsdp2_step_equals_unsharded(kind, backend, tmp_path):
 
     reference = _load(model_dir)
     before = {k: v.detach().clone() for k, v in reference.state_dict().items()}
-    optimizer = torch.optim.AdamW(reference.parameters(), lr=LR)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, eps=EPS)
     _loss(reference, _batch(reference.config.vocab_size)).backward()
     optimizer.step()
 

@@ -68,7 +68,7 @@ async def train(config, run_dir: Path, model_dir: str, console: Console) -> None
             if config.actor.colocate:  # the engines' GPU memory goes to the trainer for the step
                 await runtime.sleep_engines()
             if items:
-                stats |= _train_stats(await runtime.trainer.step(items))
+                stats |= _train_stats(await runtime.train_step(items))
             else:  # every group filtered or dropped: nothing to learn from this step
                 stats |= dict.fromkeys(TRAIN_KEYS)
             if config.actor.colocate:

@@ -12,8 +12,8 @@ gathers the whole model and it travels through Ray's object store.
 Faults: a rollout worker whose process dies (killed, out of memory, a crash
 in the engine) is restarted by Ray; its groups in flight are counted as lost
 and generated again, and `check_workers` brings the new process up to the
-current weights (also before every weight sync, which would otherwise wait on
-the dead process). A trainer rank that dies ends the run, which
+current weights (also during every trainer step, ready for the weight sync
+after it, which would otherwise wait on the dead process). A trainer rank that dies ends the run, which
 `--resume` continues from its last checkpoint.
 """
 
@@ -143,9 +143,22 @@ class Runtime:
                              *(worker.open_channel.remote(host, port, 1 + i, size, metas, bucket_bytes)
                                for i, worker in enumerate(self.workers)))
 
+    async def train_step(self, items):
+        """The trainer's step on `items`; its `StepStats`. Meanwhile `check_workers` readies the workers for
+        the weight sync after it: the check is a call into each worker, which a worker busy generating answers
+        late (in the sync itself it took 30 ms of a 100 ms asynchronous step on 2 CPU cores)."""
+        checked = asyncio.ensure_future(self.check_workers())
+        try:
+            stats = await self.trainer.step(items)
+        except BaseException:
+            checked.cancel()
+            raise
+        await checked
+        return stats
+
     async def sync_weights(self) -> int:
-        """Push the trainer's weights to every engine; returns the new policy version."""
-        await self.check_workers()
+        """Push the trainer's weights to every engine (checked by the `train_step` before); returns the new
+        policy version."""
         partial = self.config.rollout.partial_rollout
         if self.config.train.weight_sync == "broadcast":
             _, *versions = await asyncio.gather(self.trainer.broadcast_weights(),

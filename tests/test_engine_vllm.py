@@ -71,6 +71,8 @@ def test_vllm_weight_update_bumps_version_and_changes_logprobs(vllm_dense, dense
         model.lm_head.weight.mul_(3.0)  # a visibly different policy
         model.model.layers[0].mlp.down_proj.weight.add_(0.05)
     before = vllm_dense.version
+    # the dense model reloads through `vllm_cpu_reload` on CPU (the MoE model through vLLM's reload)
+    assert vllm_dense._cpu_reload == (not torch.cuda.is_available())
     version = run(vllm_dense.update_weights(list(model.state_dict().items())))
     try:
         assert version == before + 1 == vllm_dense.version

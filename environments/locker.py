@@ -3,10 +3,13 @@
 Multi-turn with tool use. Each episode hides a random digit in each of the
 lockers 1 to 9 and asks for one of them. The digits are drawn per episode,
 so the answer cannot be known without calling the `lookup` tool with that
-locker's number as its `id`; the tool replies with the digit inside (the asked
-locker's or, for a wrong number, another one's). A reply without a tool call
-is the final answer: reward 1 when its first digit is the asked locker's,
-else 0. Running out of turns truncates the episode with reward 0.
+locker's number as its `id`; the tool replies with a sentence that holds the
+digit inside ("It holds 5.": the asked locker's or, for a wrong number,
+another one's). A reply without a tool call
+is the final answer: reward 1 when it starts with the asked locker's digit
+(as `digit` grades), else 0; a digit further on does not count, so a broken
+tool call that carries the digit scores nothing. Running out of turns
+truncates the episode with reward 0.
 
 `BlankLocker` is the control: the same task with the tool's output blanked,
 so that nothing read can tell the answer.
@@ -29,9 +32,10 @@ LOOKUP = {
 }
 
 
-def first_digit(reply: str) -> str | None:
-    """The first digit of a final reply (None when it has none)."""
-    return next((c for c in reply if c.isdigit()), None)
+def answer_digit(reply: str) -> str | None:
+    """The digit a final reply starts with (None when it starts otherwise)."""
+    stripped = reply.strip()
+    return stripped[0] if stripped[:1].isdigit() else None
 
 
 def lookup(arguments: str, digits: list[int]) -> str:
@@ -43,7 +47,7 @@ def lookup(arguments: str, digits: list[int]) -> str:
     locker = parsed.get("id") if isinstance(parsed, dict) else None
     if not isinstance(locker, int) or isinstance(locker, bool) or not 1 <= locker <= len(digits):
         return f'[error] arguments must be {{"id": <1 to {len(digits)}>}}'
-    return str(digits[locker - 1])
+    return f"It holds {digits[locker - 1]}."
 
 
 class Locker(Env):
@@ -66,7 +70,7 @@ class Locker(Env):
         self.turns += 1
         _, calls = parse_reply(action)
         if not calls:  # the final answer
-            reward = float(first_digit(action) == str(self.answer))
+            reward = float(answer_digit(action) == str(self.answer))
             return "", reward, True, False, self._info()
         results = [{"role": "tool", "tool_call_id": call["id"], "name": call["function"]["name"],
                     "content": self.call(call["function"]["name"], call["function"]["arguments"])} for call in calls]

@@ -178,14 +178,19 @@ def test_locker_tool_and_its_blank_control(env_class, blanked):
     assert prompt == f"What is the digit in locker {info['locker']}?"
     call = '<tool_call>\n{"name": "lookup", "arguments": {"id": %d}}\n</tool_call>'
     observation, reward, terminated, truncated, _ = env.step(call % info["locker"])
-    assert observation[0]["content"] == ("" if blanked else str(info["answer"])) and not (terminated or truncated)
+    assert observation[0]["content"] == ("" if blanked else f"It holds {info['answer']}.")
+    assert not (terminated or truncated)
     wrong = env.step(call % 42)[0]
     assert wrong[0]["content"].startswith("[error] arguments must be")
     assert env.step('<tool_call>\n{"name": "open", "arguments": {}}\n</tool_call>')[3]  # the turn budget
     env.reset(seed=5)
-    assert env.step(f"It is {info['answer']}.")[1:3] == (1.0, True)
+    assert env.step(f" {info['answer']}.")[1:3] == (1.0, True)
     env.reset(seed=5)
     assert env.step(str((info["answer"] + 1) % 10))[1:3] == (0.0, True)
+    env.reset(seed=5)  # the digit must open the answer: not inside a broken call, nor after words
+    assert env.step('okup", "arguments": {"slot": %d}}' % info["answer"])[1:3] == (0.0, True)
+    env.reset(seed=5)
+    assert env.step(f"It is {info['answer']}.")[1:3] == (0.0, True)
 
 
 def test_guess_number_hints_and_the_control_that_hides_them():

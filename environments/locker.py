@@ -5,11 +5,11 @@ lockers 1 to 9 and asks for one of them. The digits are drawn per episode,
 so the answer cannot be known without calling the `lookup` tool with that
 locker's number as its `id`; the tool replies with a sentence that holds the
 digit inside ("It holds 5.": the asked locker's or, for a wrong number,
-another one's). A reply without a tool call
-is the final answer: reward 1 when it starts with the asked locker's digit
-(as `digit` grades), else 0; a digit further on does not count, so a broken
-tool call that carries the digit scores nothing. Running out of turns
-truncates the episode with reward 0.
+another one's). A reply without a tool call is the final answer: reward 1
+when it starts with the asked locker's digit (as `digit` grades), else 0; a
+digit further on does not count, so a broken tool call that carries the
+digit scores nothing. Running out of turns truncates the episode with
+reward 0.
 
 `BlankLocker` is the control: the same task with the tool's output blanked,
 so that nothing read can tell the answer.
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 
+from environments.digit import first_char
 from molt_agents.tool_calls import parse_reply
 from molt_env import Env
 
@@ -30,12 +31,6 @@ LOOKUP = {
         "parameters": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]},
     },
 }
-
-
-def answer_digit(reply: str) -> str | None:
-    """The digit a final reply starts with (None when it starts otherwise)."""
-    stripped = reply.strip()
-    return stripped[0] if stripped[:1].isdigit() else None
 
 
 def lookup(arguments: str, digits: list[int]) -> str:
@@ -70,7 +65,7 @@ class Locker(Env):
         self.turns += 1
         _, calls = parse_reply(action)
         if not calls:  # the final answer
-            reward = float(answer_digit(action) == str(self.answer))
+            reward = float(first_char(action) == str(self.answer))
             return "", reward, True, False, self._info()
         results = [{"role": "tool", "tool_call_id": call["id"], "name": call["function"]["name"],
                     "content": self.call(call["function"]["name"], call["function"]["arguments"])} for call in calls]

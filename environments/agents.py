@@ -25,7 +25,7 @@ import anthropic
 import openai
 
 from environments.python_tool import PYTHON_TOOL, final_answer, tool_code
-from molt_agents.agent import ChatAgent
+from molt_agents.agent import AgentResult, ChatAgent
 from molt_env.sandbox import Sandbox
 
 
@@ -67,7 +67,7 @@ class PythonToolAgent(ChatAgent):
 class LockerAgent(ChatAgent):
     """`locker` as an existing function-calling agent plays it: offer the task's tools, answer each call
     with the task's own tool (`Locker.call`), until the model answers in plain text, which the task
-    scores."""
+    scores; the task's facts about the episode (`Locker.facts`) go back with the reward."""
 
     def __init__(self, max_turns: int = 3):
         self.max_turns = max_turns
@@ -79,13 +79,13 @@ class LockerAgent(ChatAgent):
             reply = await client.chat.completions.create(model=ctx.model, messages=messages, tools=ctx.tools)
             message = reply.choices[0].message
             if not message.tool_calls:
-                _, reward, _, _, _ = ctx.env.step(message.content or "")
-                return reward
+                _, reward, _, _, facts = ctx.env.step(message.content or "")
+                return AgentResult(reward, facts)
             messages.append(message.model_dump(exclude_none=True))
             messages += [{"role": "tool", "tool_call_id": call.id,
                           "content": ctx.env.call(call.function.name, call.function.arguments)}
                          for call in message.tool_calls]
-        return 0.0  # no answer within the turn budget
+        return AgentResult(0.0, ctx.env.facts())  # no answer within the turn budget
 
 
 async def run_python(sandbox: Sandbox, name: str, arguments: str) -> str:

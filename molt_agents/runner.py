@@ -4,8 +4,11 @@
         -> append only the next observation's delta after the exact sampled tokens -> ...
 
 until the environment terminates or truncates, the turn limit, or the token
-budget. Per-step rewards are kept in `info["step_rewards"]`; the episode
-return (their sum) is the trajectory's reward.
+budget. The trajectory's `info` is the environment's info from its last
+step (what the episode did: the trainer averages its numeric fields into
+`env/*` metrics) with the runner's own `step_rewards`, `turns` and
+`reset_info`; the episode return (the sum of the step rewards) is the
+trajectory's reward.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ async def run_episode(env, engine, tokenizer, params: SamplingParams, *, max_tot
                                 chat_images(messages))
     segments = [segment]
     step_rewards: list[float] = []
+    step_info: dict = {}
     truncated = False
     max_turns = getattr(env, "max_turns", None)
     while True:
@@ -46,7 +50,7 @@ async def run_episode(env, engine, tokenizer, params: SamplingParams, *, max_tot
         (sample,) = await engine.generate(segment.token_ids, turn_params, images=segment.prompt_images())
         segment.append_sample(sample)
         reply = tokenizer.decode(sample.token_ids, skip_special_tokens=True)
-        observation, reward, terminated, truncated, _ = await env.astep(reply)
+        observation, reward, terminated, truncated, step_info = await env.astep(reply)
         step_rewards.append(float(reward))
         if terminated or truncated:
             break
@@ -61,7 +65,7 @@ async def run_episode(env, engine, tokenizer, params: SamplingParams, *, max_tot
 
     rollout_id = rollout_id or uuid.uuid4().hex
     kept = [s for s in segments if any(s.mask)]
-    info = {"step_rewards": step_rewards, "turns": len(step_rewards), "reset_info": reset_info}
+    info = {**step_info, "step_rewards": step_rewards, "turns": len(step_rewards), "reset_info": reset_info}
     return [s.to_trajectory(reward=sum(step_rewards), rollout_id=rollout_id, group_id=group_id,
                             segment=i, num_segments=len(kept), truncated=bool(truncated), info=info)
             for i, s in enumerate(kept)]

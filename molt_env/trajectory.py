@@ -37,7 +37,7 @@ class Trajectory:
     truncated: bool = False  # the episode hit a turn or length budget
     routes: np.ndarray | None = None  # optional int16 [T, layers, top_k] expert ids, -1 where unknown
     mm: dict | None = None  # optional images: see `MultiModal` below
-    info: dict[str, Any] = field(default_factory=dict)  # episode facts (step rewards, task data)
+    info: dict[str, Any] = field(default_factory=dict)  # episode facts: the env's last info, step rewards, task
 
     @property
     def num_tokens(self) -> int:

@@ -28,7 +28,7 @@ def assemble(groups: list[dict], version: int, algo: AlgoConfig) -> tuple[list[T
     """The items to train on and the batch's metrics; `version` is the policy version the trainer holds."""
     trajectories, stats = _valid_trajectories(groups)
     rollouts = _rollouts(trajectories)
-    stats |= _rollout_stats(rollouts) | _age_stats(trajectories, version)
+    stats |= _rollout_stats(rollouts) | env_stats(rollouts) | _age_stats(trajectories, version)
     advantages, informative, filter_stats = _advantages(rollouts, algo)
     bounded, staleness_stats = _bound_staleness(rollouts, version, algo)
     kept = [(rollout, advantage) for rollout, advantage, keep in zip(bounded, advantages, informative)
@@ -71,6 +71,17 @@ def _rollout_stats(rollouts: list[Rollout]) -> dict:
     return {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
             "response_len/mean": float(np.mean([_trainable(rollout) for rollout in rollouts])),
             "episodes/truncated_frac": float(np.mean([rollout[0].truncated for rollout in rollouts]))}
+
+
+def env_stats(rollouts: list[Rollout]) -> dict:
+    """`env/<key>`: the mean over the rollouts that report it of each numeric field of an episode's info (the
+    environment's last step, or what an agent returned); a flag (bool) averages to a fraction."""
+    values: dict[str, list[float]] = {}
+    for rollout in rollouts:
+        for key, value in rollout[0].info.items():
+            if isinstance(value, (bool, int, float, np.number)):
+                values.setdefault(key, []).append(float(value))
+    return {f"env/{key}": float(np.mean(found)) for key, found in sorted(values.items())}
 
 
 def _age_stats(trajectories: list[Trajectory], version: int) -> dict:

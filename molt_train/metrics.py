@@ -4,8 +4,9 @@ One JSON object per optimizer step in `RUN_DIR/metrics.jsonl` (after a resume,
 steps already logged are not logged again); the same scalars go to
 TensorBoard (and W&B when enabled); evaluations (`eval/*`, `time/eval`) join
 the line of the step they follow, the one before training as step 0. `plot`
-draws reward (training and evaluation), lengths and timings
-from the JSON lines into `RUN_DIR/plots/`.
+draws reward (training and evaluation), lengths, timings and the
+environment's own episode facts (`env/*`, when the environment reports
+any) from the JSON lines into `RUN_DIR/plots/`.
 """
 
 from __future__ import annotations
@@ -75,8 +76,10 @@ def plot(run_dir: Path) -> Path:
     import matplotlib.pyplot as plt
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    figure, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 3.6))
-    for axis, (title, keys) in zip(axes, PANELS):
+    env_keys = sorted({key for record in records for key in record if key.startswith("env/")})
+    panels = PANELS + ([("environment (episode info, mean)", env_keys)] if env_keys else [])
+    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6))
+    for axis, (title, keys) in zip(axes, panels):
         for key in keys:
             points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
             if points:  # evaluations are a few steps apart: marked, not just joined

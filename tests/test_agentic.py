@@ -14,7 +14,7 @@ from conftest import run
 from transformers import AutoTokenizer
 
 from environments.guess_number import GuessNumber, GuessNumberNoFeedback
-from environments.locker import BlankLocker, Locker
+from environments.locker import LETTERS, BlankLocker, Locker
 from molt_agents.chat_template import render_text
 from molt_agents.engines import SamplingParams
 from molt_agents.runner import run_episode
@@ -175,11 +175,12 @@ def test_every_turn_of_a_seeded_episode_samples_from_its_own_stream(vllm_engines
 def test_locker_tool_and_its_blank_control(env_class, blanked):
     env = env_class()
     prompt, info = env.reset(seed=5)
-    assert prompt == f"What is the digit in locker {info['locker']}?"
+    assert prompt == f"What is the digit in locker {LETTERS[info['locker'] - 1]}?"
     call = '<tool_call>\n{"name": "lookup", "arguments": {"id": %d}}\n</tool_call>'
-    observation, reward, terminated, truncated, _ = env.step(call % info["locker"])
+    observation, reward, terminated, truncated, facts = env.step(call % info["locker"])
     assert observation[0]["content"] == ("" if blanked else f"It holds {info['answer']}.")
     assert not (terminated or truncated)
+    assert facts == {"tool_calls": 1, "called": True, "right_id": True, "read_result": False}
     wrong = env.step(call % 42)[0]
     assert wrong[0]["content"].startswith("[error] arguments must be")
     assert env.step('<tool_call>\n{"name": "open", "arguments": {}}\n</tool_call>')[3]  # the turn budget
@@ -191,6 +192,79 @@ def test_locker_tool_and_its_blank_control(env_class, blanked):
     assert env.step('okup", "arguments": {"slot": %d}}' % info["answer"])[1:3] == (0.0, True)
     env.reset(seed=5)
     assert env.step(f"It is {info['answer']}.")[1:3] == (0.0, True)
+
+
+def test_locker_facts_say_which_locker_was_asked_and_what_was_read():
+    env = Locker()
+    _, info = env.reset(seed=5)
+    call = '<tool_call>\n{"name": "lookup", "arguments": {"id": %d}}\n</tool_call>'
+    other = info["locker"] % 9 + 1
+    env.step(call % other)
+    shown = env.digits[other - 1]
+    *_, facts = env.step(f"{shown}")  # answered what the tool showed, for the wrong locker
+    assert facts == {"tool_calls": 1, "called": True, "right_id": False, "read_result": True}
+    env.reset(seed=5)
+    env.step('<tool_call>\n{"name": "lookup", "arguments": {"id": "A"}}\n</tool_call>')  # malformed: no digit
+    env.step(call % info["locker"])  # the second call is right, but the first call counts for right_id
+    *_, facts = env.step("x")
+    assert facts == {"tool_calls": 2, "called": True, "right_id": False, "read_result": False}
+    env.reset(seed=5)
+    assert env.step("5")[4] == {"tool_calls": 0, "called": False, "right_id": False,
+                                "read_result": False}
+    blank = BlankLocker()
+    blank.reset(seed=5)
+    blank.step(call % info["locker"])
+    assert blank.step(str(info["answer"]))[4]["read_result"] is False  # nothing was shown to read
+    with pytest.raises(ValueError, match="lockers=27: choose 1 to 26"):
+        Locker(lockers=27)
+
+
+def test_agent_warm_start_teaches_tool_use_on_no_task_of_its_own():
+    """The warm start's conversations call a tool with an argument from the user's message and answer
+    from what the tool returned, but never on a bundled tool task's question, tool or tool reply."""
+    import random
+    import re
+
+    from environments.locker import LOOKUP
+    from environments.python_tool import PYTHON_TOOL
+    from molt_agents.tiny.tokenizer import _corpus_lines
+    from molt_agents.tiny.warm_start import _agent_conversation
+
+    prompts = [line for line in _corpus_lines(1, 4000) if "\n" not in line and not any(c.isdigit() for c in line)]
+    rng = random.Random(0)
+    conversations = [_agent_conversation(rng, prompts[:1000]) for _ in range(3000)]
+    descriptions = {tool["function"]["description"] for _, tools in conversations for tool in tools or []}
+    assert not descriptions & {LOOKUP["function"]["description"], PYTHON_TOOL["function"]["description"]}
+    texts = [str(m.get("content", "")) for messages, _ in conversations for m in messages]
+    for text in texts:
+        assert not re.search(r"locker|What is the digit in|It holds \d", text), text
+    copied = read = 0
+    for messages, tools in conversations:
+        calls = [m for m in messages if m.get("tool_calls")]
+        if not calls:
+            continue
+        argument = next(iter(calls[0]["tool_calls"][0]["function"]["arguments"].values()))
+        asked = re.findall(r"\d", messages[0]["content"])
+        copied += asked == [str(argument)]
+        result = re.findall(r"\d", messages[-2]["content"])
+        read += result == [messages[-1]["content"]]
+    called = sum(any(m.get("tool_calls") for m in messages) for messages, _ in conversations)
+    assert called > 1000 and read == called  # every answer after a call is the digit the tool returned
+    assert 0.6 < copied / called < 0.9  # mostly the user's digit; a digit of its own when there is none
+
+
+def test_env_stats_average_the_numeric_facts_of_each_episode():
+    from molt_env.trajectory import Trajectory
+    from molt_train.batch import env_stats
+
+    def rollout(info):
+        return [Trajectory(token_ids=[1, 2], logprobs=[0.0, -1.0], mask=[0, 1], versions=[0, 0], reward=0.0,
+                           info=info)]
+
+    stats = env_stats([rollout({"called": True, "tool_calls": 2, "note": "x", "step_rewards": [0.0]}),
+                       rollout({"called": False, "tool_calls": 1, "right_id": 1.0}),
+                       rollout({})])
+    assert stats == {"env/called": 0.5, "env/right_id": 1.0, "env/tool_calls": 1.5}
 
 
 def test_guess_number_hints_and_the_control_that_hides_them():
@@ -223,3 +297,9 @@ def test_molt_train_runs_the_agentic_task(tmp_path, ray_address, env, agent):
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["episodes/failed"] == 0 and r["tokens/trained"] > 0 for r in rows)
     assert all(r["mismatch/max_abs"] < 1e-4 for r in rows)  # every turn's tokens are the engine's
+    if env == "locker":  # the environment's own facts, through the runner and through the agent alike
+        for row in rows:
+            assert {"env/called", "env/right_id", "env/read_result", "env/tool_calls"} <= set(row)
+            assert all(0 <= row[f"env/{key}"] <= 1 for key in ("called", "right_id", "read_result"))
+            assert ("env/turns" in row) == (agent is None)  # the runner counts turns; this agent does not
+    assert (out / "plots" / "metrics.png").exists()

@@ -24,11 +24,20 @@ colour indices nearest the shapes' colours, gave the right counts 1 and 2
 about 1% of the time, and RL settled on answering 3 (about 0.55 reward after
 150 steps). With them, other questions start near uniform over the digits
 but still depend on the picture, and RL can find the mapping.
+
+The agent model's warm start teaches general tool use on random tools and
+random words (`_agent_conversation`): call a tool with the digit the user's
+line holds, and answer with the digit the tool's reply holds. It trains on
+those conversations alone, without the text turns: their random-digit
+targets keep a 2-layer model from learning to copy the tool's digit, and
+undo the copy once learned. What a task asks of its tool, and which part of
+the reply it wants, is left to RL.
 """
 
 from __future__ import annotations
 
 import random
+import string
 
 import torch
 
@@ -44,7 +53,8 @@ def warm_start(model, tokenizer, steps: int = 150, batch: int = 32, lr: float = 
     """Train `model` in place on chat turns `user: <corpus line> / assistant: <digit>`; with a
     `processor` (a vision-language model), every other batch shows pictures (`_pretext_picture`), and
     for a colour question (`QUESTIONS`) the digit is the colour's index in `PALETTE`; with `agent`,
-    every other batch is whole conversations (`_agent_conversation`): several turns, and tool calls."""
+    every batch is whole conversations (`_agent_conversation`): one or several turns, and tool calls
+    whose arguments come from the user's message and whose results are answered."""
     rng = random.Random(seed)
     # Prompts without digits: the model learns the reply format, not to ignore digits it reads.
     prompts = [line for line in _corpus_lines(seed + 1, 4000)
@@ -54,7 +64,7 @@ def warm_start(model, tokenizer, steps: int = 150, batch: int = 32, lr: float = 
     for step in range(steps):
         if processor is not None and step % 2:
             rows, images = _picture_rows(processor, rng, prompts, batch)
-        elif agent and step % 2:
+        elif agent:
             rows, images = [_conversation_row(tokenizer, *_agent_conversation(rng, prompts))
                             for _ in range(batch)], {}
         else:
@@ -97,37 +107,67 @@ ARGUMENT_NAMES = ["id", "key", "index", "n", "item", "slot"]
 
 
 def _agent_conversation(rng: random.Random, prompts: list[str]) -> tuple[list[dict], list[dict] | None]:
-    """A conversation whose assistant turns are each a random digit, or a tool call.
+    """A conversation whose assistant turns are each a digit or a tool call: general tool use.
 
     A third are 1-4 turns of chat: the later user turns are corpus lines or a few words ("higher", "try
     again"...), so a digit follows any user turn. The rest offer a tool with one integer argument, named
     from short lists of common names (`TOOL_NAMES`, `ARGUMENT_NAMES`: the tiny model learns to copy a
-    name it knows from the signature, not to spell an unseen one), and put a digit in the user's line;
-    the assistant answers at once, or (three times in four) calls the tool with that digit, gets a
-    random digit back and answers a random digit. No answer depends on what was read: the task's
-    mapping is left to RL."""
+    name it knows from the signature, not to spell an unseen one), with a description of random words,
+    and a user line (`_user_line`: a statement or a question) that holds a digit three times in four.
+    Three times in four the assistant calls the tool: with the line's digit when it holds one (an
+    argument taken from the user's message), else with a digit of its own; the tool replies with a line of random words that holds one
+    digit, and the assistant answers that digit (an answer taken from what the tool returned). Without a
+    call it answers a random digit. No line is a task's question, tool or reply: what to ask a task's tool
+    and which part of its reply to report is left to RL."""
     if rng.random() < 1 / 3:
         messages = []
         for turn in range(rng.randint(1, 4)):
-            line = rng.choice(prompts) if turn == 0 or rng.random() < 0.5 else \
-                " ".join(rng.choice(_WORDS) for _ in range(rng.randint(1, 3)))
+            line = _user_line(rng, prompts) if turn == 0 or rng.random() < 0.5 else _words(rng, 1, 3)
             messages += [{"role": "user", "content": line},
                          {"role": "assistant", "content": str(rng.randrange(10))}]
         return messages, None
     name, argument = rng.choice(TOOL_NAMES), rng.choice(ARGUMENT_NAMES)
     tools = [{"type": "function", "function": {
-        "name": name, "description": " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 8))) + ".",
+        "name": name, "description": _words(rng, 3, 8).capitalize() + ".",
         "parameters": {"type": "object", "properties": {argument: {"type": "integer"}}, "required": [argument]}}}]
-    words = rng.choice(prompts).rstrip(".").split()
-    digit = rng.randrange(10)
-    words.insert(rng.randint(0, len(words)), str(digit))
-    messages = [{"role": "user", "content": " ".join(words) + "."}]
-    if rng.random() < 0.75:
-        call = {"type": "function", "function": {"name": name, "arguments": {argument: digit}}}
-        messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
-                     {"role": "tool", "content": str(rng.randrange(10))}]
-    messages.append({"role": "assistant", "content": str(rng.randrange(10))})
+    asked = rng.randrange(10) if rng.random() < 0.75 else None
+    messages = [{"role": "user", "content": _user_line(rng, prompts, asked)}]
+    if rng.random() >= 0.75:
+        return messages + [{"role": "assistant", "content": str(rng.randrange(10))}], tools
+    call = {"type": "function", "function": {"name": name, "arguments": {
+        argument: rng.randrange(10) if asked is None else asked}}}
+    returned = rng.randrange(10)
+    reply = str(returned) if rng.random() < 0.25 else _insert(rng, _words(rng, 1, 6), returned) + "."
+    messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
+                 {"role": "tool", "content": reply},
+                 {"role": "assistant", "content": str(returned)}]
     return messages, tools
+
+
+QUESTION_WORDS = ["What", "Which", "Where", "Who", "How", "Why", "When", "Is", "Can", "Do"]
+
+
+def _user_line(rng: random.Random, prompts: list[str], digit: int | None = None) -> str:
+    """A corpus line, or a question of random words; a third of them with a capital letter among the words
+    (a name, a label), and `digit`, when given, put between two of its words."""
+    if rng.random() < 0.5:
+        line, end = rng.choice(prompts).rstrip("."), "."
+    else:
+        line, end = f"{rng.choice(QUESTION_WORDS)} {_words(rng, 2, 7)}", "?"
+    if rng.random() < 1 / 3:
+        line = _insert(rng, line, rng.choice(string.ascii_uppercase))
+    return (line if digit is None else _insert(rng, line, digit)) + end
+
+
+def _words(rng: random.Random, least: int, most: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(rng.randint(least, most)))
+
+
+def _insert(rng: random.Random, line: str, word) -> str:
+    """`line` with `word` (a digit, a letter) put between two of its words (or at either end)."""
+    words = line.split()
+    words.insert(rng.randint(0, len(words)), str(word))
+    return " ".join(words)
 
 
 def _conversation_row(tokenizer, messages: list[dict], tools: list[dict] | None) -> tuple[list, list]:

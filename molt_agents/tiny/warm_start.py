@@ -100,7 +100,7 @@ def _text_rows(tokenizer, rng: random.Random, prompts: list[str], batch: int) ->
 
 
 # --------------------------------------------------------------------------
-# Agent conversations: the reply format of every turn, and the tool-call syntax
+# Agent conversations: the reply format of every turn, and general tool use
 
 TOOL_NAMES = ["lookup", "search", "fetch", "read", "query", "get_value"]
 ARGUMENT_NAMES = ["id", "key", "index", "n", "item", "slot"]
@@ -115,10 +115,11 @@ def _agent_conversation(rng: random.Random, prompts: list[str]) -> tuple[list[di
     name it knows from the signature, not to spell an unseen one), with a description of random words,
     and a user line (`_user_line`: a statement or a question) that holds a digit three times in four.
     Three times in four the assistant calls the tool: with the line's digit when it holds one (an
-    argument taken from the user's message), else with a digit of its own; the tool replies with a line of random words that holds one
-    digit, and the assistant answers that digit (an answer taken from what the tool returned). Without a
-    call it answers a random digit. No line is a task's question, tool or reply: what to ask a task's tool
-    and which part of its reply to report is left to RL."""
+    argument taken from the user's message), else with a digit of its own; the tool replies with a line
+    of random words that holds one digit (or the bare digit), and the assistant answers that digit (an
+    answer taken from what the tool returned). Without a call it answers a random digit. No line is a
+    task's question, tool or reply: what to ask a task's tool and which part of its reply to report is
+    left to RL."""
     if rng.random() < 1 / 3:
         messages = []
         for turn in range(rng.randint(1, 4)):

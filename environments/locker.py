@@ -4,10 +4,10 @@ Multi-turn with tool use. Each episode hides a random digit in each of the
 lockers A to I and asks for one of them by its letter. The digits are drawn
 per episode, so the answer cannot be known without calling the `lookup`
 tool, whose `id` is the locker's number (A is 1, B is 2, ..., as its
-description says in words: digits in the tools block draw the tiny model's
-copy of a digit away from the question and the tool's reply); the tool replies with a sentence that holds the digit
-inside ("It holds 5.": the asked locker's or, for a wrong number, another
-one's). A reply without a tool call is the final answer: reward 1 when it
+description says in words: digits in the tools block would draw a tiny
+model's copy of a digit away from the tool's reply); the tool replies with
+a sentence that holds the digit inside ("It holds 5.": the asked locker's
+or, for a wrong number, another one's). A reply without a tool call is the final answer: reward 1 when it
 starts with the asked locker's digit (as `digit` grades), else 0; a digit
 further on does not count, so a broken tool call that carries the digit
 scores nothing. Running out of turns truncates the episode with reward 0.
@@ -15,8 +15,8 @@ scores nothing. Running out of turns truncates the episode with reward 0.
 What a policy must learn is the task's own mapping: which number to call
 with for a letter (1 in 9 by chance) and to answer with what the tool
 returned. The episode's info says how it did (averaged per step into the
-run's `env/*` metrics): `tool_calls` (of any name), `called` (a `lookup` call),
-`right_id` (its first `lookup` call named the asked locker) and
+run's `env/*` metrics): `tool_calls` (of any name), `called` (a `lookup`
+call), `right_id` (its first `lookup` call named the asked locker) and
 `read_result` (the answer starts with the digit the last `lookup` returned).
 
 `BlankLocker` is the control: the same task with the tool's output blanked,

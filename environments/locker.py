@@ -7,10 +7,11 @@ tool, whose `id` is the locker's number (A is 1, B is 2, ..., as its
 description says in words: digits in the tools block would draw a tiny
 model's copy of a digit away from the tool's reply); the tool replies with
 a sentence that holds the digit inside ("It holds 5.": the asked locker's
-or, for a wrong number, another one's). A reply without a tool call is the final answer: reward 1 when it
-starts with the asked locker's digit (as `digit` grades), else 0; a digit
-further on does not count, so a broken tool call that carries the digit
-scores nothing. Running out of turns truncates the episode with reward 0.
+or, for a wrong number, another one's). A reply without a tool call is the
+final answer: reward 1 when it starts with the asked locker's digit (as
+`digit` grades), else 0; a digit further on does not count, so a broken tool
+call that carries the digit scores nothing. Running out of turns truncates
+the episode with reward 0.
 
 What a policy must learn is the task's own mapping: which number to call
 with for a letter (1 in 9 by chance) and to answer with what the tool
@@ -35,7 +36,8 @@ LOOKUP = {
     "type": "function",
     "function": {
         "name": "lookup",
-        "description": "The digit inside a locker; id is its letter's place in the alphabet (A is one, B is two...).",
+        "description": "The digit inside a locker; id is its letter's place in the alphabet "
+                       "(A is one, B is two...).",
         "parameters": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]},
     },
 }

@@ -57,15 +57,22 @@ async def run_agent(agent: ChatAgent, loopback, *, messages: list[dict], tools: 
     ctx = AgentContext(base_url=loopback.base_url(session.id), api_key=loopback.api_key,
                        model=loopback.model_name, messages=list(messages), tools=tools,
                        sampling=dict(sampling or {}), task=dict(task or {}), session_id=session.id, env=env)
+    try:
+        result = await call_agent(agent, ctx)
+    except BaseException:
+        loopback.discard(session.id)
+        raise
+    return loopback.finish(session.id, result.reward, result.info)
+
+
+async def call_agent(agent: ChatAgent, ctx: AgentContext) -> AgentResult:
+    """`agent.run(ctx)` (a blocking one in a worker thread), its result as an `AgentResult`."""
     if inspect.iscoroutinefunction(agent.run):
         result = await agent.run(ctx)
     else:  # a blocking agent (sync openai client) runs in a worker thread
         result = await asyncio.to_thread(agent.run, ctx)
     if isinstance(result, AgentResult):
-        reward, info = result.reward, result.info
-    elif isinstance(result, (int, float)) and not isinstance(result, bool):
-        reward, info = float(result), {}
-    else:
-        loopback.finish(session.id, 0.0)
-        raise TypeError(f"{type(agent).__name__}.run returned {result!r}; return a reward or an AgentResult")
-    return loopback.finish(session.id, reward, info)
+        return result
+    if isinstance(result, (int, float)) and not isinstance(result, bool):
+        return AgentResult(float(result))
+    raise TypeError(f"{type(agent).__name__}.run returned {result!r}; return a reward or an AgentResult")

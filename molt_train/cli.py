@@ -136,10 +136,17 @@ def main(argv: list[str] | None = None) -> None:
     for flag, (before, now) in changes.items():
         console.say(f"# resumed with --{flag} {now} (was {before})")
 
-    from molt_train.loop import run
+    from molt_train.loop import RunFailed, run
+    from molt_train.stop import Stopped
 
     try:
         run(config, run_dir, model_dir, console)
+    except Stopped as stopped:
+        console.say(f"molt-train: {stopped}; continue with --out {run_dir} --resume")
+        sys.exit(stopped.exit_code)
+    except RunFailed as error:  # the failure's traceback was shown when it first happened
+        console.say(f"molt-train: {error}")
+        sys.exit(1)
     except KeyboardInterrupt:
         console.say(f"molt-train: interrupted; continue with --out {run_dir} --resume")
         sys.exit(130)

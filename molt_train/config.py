@@ -67,6 +67,8 @@ class RolloutConfig:
     """Token budget of a whole episode (prompt, turns and replies)."""
     episode_timeout: float = 300.0
     """Seconds an episode may take; past it the episode is dropped (counted as a failure) and the run goes on."""
+    max_failed_steps: int = 3
+    """Consecutive steps whose every episode failed before the run ends, naming the first failure (0: never)."""
     allow_remote_images: bool = False
     """--agent runs: let the loopback fetch http(s) image URLs (default: only inline data: URLs)."""
     partial_rollout: bool = True
@@ -313,6 +315,7 @@ def validate(config: Config) -> None:
     need(config.rollout.group_size >= 1, "rollout.group_size", "must be >= 1")
     need(config.rollout.groups_per_step >= 1, "rollout.groups_per_step", "must be >= 1")
     need(config.rollout.max_tokens >= 1, "rollout.max_tokens", "must be >= 1")
+    need(config.rollout.max_failed_steps >= 0, "rollout.max_failed_steps", "must be >= 0")
     if config.actor.colocate:
         _validate_colocate(config, need)
     need(config.engine.max_model_len is None or config.engine.max_model_len >= 1, "engine.max_model_len",

@@ -33,6 +33,7 @@ from molt_train.console import Console
 from molt_train.evaluate import Evaluator
 from molt_train.metrics import Metrics, plot
 from molt_train.runtime import Runtime
+from molt_train.stop import StopSignals, Stopped
 
 
 async def train(config, run_dir: Path, model_dir: str, console: Console) -> None:
@@ -46,15 +47,27 @@ async def train(config, run_dir: Path, model_dir: str, console: Console) -> None
     step, version = state["step"], state["version"]
     progress = console.progress(config.steps, step)
     evaluator = Evaluator(config, runtime.workers, recover=runtime.check_workers)
+    stop = StopSignals().install()
+    saved = step  # the last step with a checkpoint
+
+    async def save() -> Path:
+        nonlocal saved
+        state = {"step": step, "version": version, "data": runtime.groups.position(), "seed": config.seed}
+        saved = step
+        return await checkpoint.save(runtime.trainer, run_dir, model_dir, state, config.ckpt.keep)
+
     try:
         if step == 0 and evaluator.due(0):  # the initial policy, as step 0
             metrics.log(0, await evaluator.run())
             progress.set_postfix(eval=f"{evaluator.last_reward:.3f}")
         reported: set[str] = set()  # failure messages already shown
+        failing: list[str] = []  # the first failure of each step in a row whose every episode failed
         began = time.perf_counter()
-        while step < config.steps:
+        while step < config.steps and stop.received is None:
             started = time.perf_counter()
-            groups = await runtime.groups.take()
+            groups = await stop.unless_stopped(runtime.groups.take())
+            if groups is None:
+                break
             waited = time.perf_counter() - started
 
             items, stats = assemble(groups, version, config.algo)
@@ -64,6 +77,10 @@ async def train(config, run_dir: Path, model_dir: str, console: Console) -> None
                 reported.add(example.splitlines()[0])
                 progress.write(f"molt-train: step {step + 1}: an episode failed and was dropped:\n{example}",
                                file=console.terminal)
+            failing = failing + [example] if example and not any(g["trajectories"] for g in groups) else []
+            if config.rollout.max_failed_steps and len(failing) >= config.rollout.max_failed_steps:
+                raise RunFailed(f"every episode of the last {len(failing)} steps failed (steps {step + 2 - len(failing)}"
+                                f"-{step + 1}); the first: {failing[0].splitlines()[0]}")
             stepped = time.perf_counter()
             if config.actor.colocate:  # the engines' GPU memory goes to the trainer for the step
                 await runtime.sleep_engines()
@@ -98,13 +115,21 @@ async def train(config, run_dir: Path, model_dir: str, console: Console) -> None
             if config.log.plot_every and step % config.log.plot_every == 0:
                 plot(run_dir)
             if step == config.steps or (config.ckpt.every and step % config.ckpt.every == 0):
-                state = {"step": step, "version": version, "data": runtime.groups.position(), "seed": config.seed}
-                await checkpoint.save(runtime.trainer, run_dir, model_dir, state, config.ckpt.keep)
+                await save()
+        if stop.received is not None:
+            kept = await save() if step != saved else checkpoint.latest(run_dir)
+            raise Stopped(stop.received, f"stopped by {stop.received.name} after step {step}; "
+                                         f"{'checkpoint ' + str(kept) if kept else 'no step to save'}")
     finally:
+        stop.remove()
         progress.close()
         metrics.close()
         await runtime.close()
     console.say(f"plots: {plot(run_dir)}")
+
+
+class RunFailed(RuntimeError):
+    """The run cannot train: every episode of several steps in a row failed."""
 
 
 TRAIN_KEYS = ("loss", "clip_frac", "entropy", "kl", "grad_norm", "mismatch/kl", "mismatch/max_abs",

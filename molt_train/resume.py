@@ -22,7 +22,7 @@ from molt_train.config import ConfigError
 
 # Flags (or groups, ending in ".") a resumed run may change.
 MAY_CHANGE = ("steps", "out", "resume", "dry_run", "log.", "ckpt.", "eval.", "ray.", "cluster.",
-              "rollout.episode_timeout")
+              "rollout.episode_timeout", "rollout.max_failed_steps")
 HISTORY = "config_history.jsonl"
 
 

@@ -137,7 +137,7 @@ class RolloutWorker:
         except asyncio.TimeoutError:  # a hung environment or agent (its thread, if any, is abandoned)
             return f"timeout: the episode took over {self.episode_timeout} s"
         except Exception as error:  # the environment's or agent's fault: drop this episode only
-            return f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=3)}"
+            return failure_text(error)
         finally:
             self.in_flight -= 1
             if self.in_flight == 0:
@@ -238,6 +238,16 @@ class RolloutWorker:
         """This process's id (new when Ray restarts the worker); answered off the episodes' loop, like
         `update_weights`, so the check before each weight sync waits for no engine step."""
         return self.id
+
+
+def failure_text(error: BaseException) -> str:
+    """An episode's failure: one line naming the exception and where it was raised (file, line, function),
+    then the innermost frames of its traceback."""
+    message = (str(error).splitlines() or [""])[0]
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" ({frames[-1].filename}:{frames[-1].lineno}, in {frames[-1].name})" if frames else ""
+    return (f"{type(error).__name__}: {message}{where}\n"
+            + "".join(traceback.format_exception(error, limit=-3)).rstrip())
 
 
 class GroupStream:

@@ -254,6 +254,19 @@ def test_chat_agent_runs_against_the_loopback(loopback):
     assert trajectory.num_trainable <= 5  # the session's sampling defaults applied
 
 
+@pytest.mark.parametrize("returned,error", [({"reward": 1}, TypeError), (None, KeyError)])
+def test_a_failing_agent_raises_and_its_session_is_closed(loopback, returned, error):
+    class Failing(ChatAgent):
+        async def run(self, ctx):
+            client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+            await client.chat.completions.create(model=ctx.model, messages=ctx.messages, max_tokens=3)
+            return returned if returned is not None else ctx.task["answer"]
+
+    with pytest.raises(error):
+        run(run_agent(Failing(), loopback, messages=[{"role": "user", "content": "Hi"}], rollout_id="failing"))
+    assert not [s for s in loopback.sessions.values() if s.rollout_id == "failing"]  # nothing left open
+
+
 # --------------------------------------------------------------------------
 # Bad input: a 4xx with an OpenAI-style error, never a 500, nothing captured
 

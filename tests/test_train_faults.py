@@ -211,3 +211,51 @@ def test_a_step_of_groups_goes_to_each_worker_in_one_call_and_a_lost_call_is_pla
     assert all(g["seed"] == stream.env_seed(g["group_index"]) and g["size"] == 8 for g in first + second)
     assert sorted(g["group_index"] for g in second) == [6, 7, 8, 9, 10, 11]
     assert stream.position() == {"next_index": 12, "redo": []}
+
+
+def test_an_agent_that_fails_every_episode_ends_the_run_in_one_line_naming_the_exception(tmp_path, ray_address):
+    agent = tmp_path / "broken_agent.py"
+    agent.write_text("from molt_agents.agent import ChatAgent\n"
+                     "class Broken(ChatAgent):\n"
+                     "    async def run(self, ctx):\n"
+                     "        return ctx.task['answer']  # the task's info has no such key\n")
+    out = tmp_path / "run"
+    stdout = _train(out, ray_address, "--agent", f"{agent}:Broken", "--steps", "20", expect=1)
+    failure = [line for line in stdout.splitlines() if line.startswith("molt-train: every episode")]
+    assert failure == [f"molt-train: every episode of the last 3 steps failed (steps 1-3); the first: "
+                       f"KeyError: 'answer' ({agent}:4, in run)"], stdout[-3000:]
+    logged = _metrics(out)  # the steps before the third: every episode failed, nothing trained or saved
+    assert [(r["step"], r["episodes/failed"], r["tokens/trained"]) for r in logged] == [(1, 16, 0), (2, 16, 0)]
+    assert not (out / "checkpoints").exists()
+
+
+def test_sigterm_saves_the_last_finished_step_and_the_resumed_run_equals_the_uninterrupted_one(
+        tmp_path, ray_address, started):
+    """A scheduler's preemption: SIGTERM to the driver mid-run. The run saves its last finished step (no
+    checkpoint is due before the end) and exits 143 at once; the resume redoes nothing and, step by step,
+    equals the run never interrupted (synchronous mode: each step's rollouts come from the step before)."""
+    flags = ["--env", _slow_digit(tmp_path, 0.5), "--seed", "4", "--steps", "5", "--ckpt.every", "0",
+             "--train.async_queue_size", "0"]
+    _train(tmp_path / "whole", ray_address, *flags)
+    whole = _metrics(tmp_path / "whole")
+
+    out = tmp_path / "cut"
+    process = _start(out, ray_address, *flags, started=started)
+    _wait_for(process, lambda: len(_metrics(out)) >= 2, "step 2")
+    signalled = time.time()
+    process.send_signal(signal.SIGTERM)
+    stdout, _ = process.communicate(timeout=60)
+    assert process.returncode == 143 and time.time() - signalled < 30, stdout[-3000:]
+    cut = _metrics(out)
+    (saved,) = (out / "checkpoints").glob("step_*")
+    assert saved.name == f"step_{len(cut):06d}" and 2 <= len(cut) < 5  # the last finished step, mid-run
+    assert f"molt-train: stopped by SIGTERM after step {len(cut)}; checkpoint {saved}" in stdout
+
+    _train(out, ray_address, "--resume")
+    resumed = _metrics(out)
+    assert [r["step"] for r in resumed] == list(range(1, 6))  # nothing redone, nothing lost
+    for a, b in zip(whole, resumed):
+        for key in ["data/groups", "reward/mean", "tokens/trained", "response_len/mean", "version"]:
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+        for key in ["loss", "kl", "grad_norm", "mismatch/kl"]:
+            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (a["step"], key, a[key], b[key])

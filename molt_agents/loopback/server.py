@@ -121,6 +121,13 @@ class Loopback:
                 raise
         return trajectories
 
+    def discard(self, session_id: str) -> None:
+        """Close a session without keeping anything (its agent failed); an unknown one is ignored."""
+        with self._sessions_lock:
+            session = self.sessions.pop(session_id, None)
+            if session is not None:
+                session.finished = True
+
     def _existing(self, session_id: str) -> Session:
         """The open session `session_id`, or a 404; the caller holds `_sessions_lock`."""
         session = self.sessions.get(session_id)

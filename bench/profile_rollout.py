@@ -24,13 +24,14 @@ import workload  # noqa: E402
 
 
 def molt_rollouts(model_dir: str, name: str, steps: int, profiler: bool, sort: str = "tottime") -> dict:
+    from molt_agents.engines import SamplingParams
+    from molt_train.config import EngineConfig, RolloutConfig
     from molt_train.rollout import RolloutWorker
 
-    sampling = dict(temperature=workload.TEMPERATURE, top_p=1.0, max_tokens=workload.WORKLOADS[name]["max_tokens"],
-                    seed=0)
-    engine = dict(name="vllm", dtype="float32", max_model_len=None, options={})
-    worker = RolloutWorker(model_dir, str(Path(__file__).parent / "addition.py") + ":Addition", engine, sampling,
-                           512)
+    sampling = SamplingParams(temperature=workload.TEMPERATURE, max_tokens=workload.WORKLOADS[name]["max_tokens"],
+                              seed=0)
+    worker = RolloutWorker(model_dir, str(Path(__file__).parent / "addition.py") + ":Addition",
+                           RolloutConfig(max_total_tokens=512), EngineConfig(), sampling)
 
     async def one_step(step: int):
         return await worker.groups([(step * 16 + g, 1000 * step + g) for g in range(workload.GROUPS_PER_STEP)],
@@ -50,7 +51,7 @@ def molt_rollouts(model_dir: str, name: str, steps: int, profiler: bool, sort: s
     try:
         return asyncio.run(run())
     finally:
-        worker.engine.close()
+        worker.close()
 
 
 async def _profiled(awaitable, sort: str) -> str:

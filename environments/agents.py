@@ -20,35 +20,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import weakref
 
 import anthropic
-import openai
 
 from environments.python_tool import PYTHON_TOOL, final_answer, tool_code
 from molt_agents.agent import AgentResult, ChatAgent
 from molt_env.sandbox import Sandbox
 
 
-_CLIENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its openai client
-
-
-def session_client(ctx) -> openai.AsyncOpenAI:
-    """An openai client on this episode's session URL. As the openai docs advise, one client (its HTTP
-    connection pool) serves every request of a process, here one per event loop; each episode takes a
-    copy with its own base URL (`with_options`, about 0.05 ms). A client made per episode costs 10-20 ms
-    here (its SSL context), more than the episode's own requests on the tiny models."""
-    loop = asyncio.get_running_loop()
-    if loop not in _CLIENTS:
-        _CLIENTS[loop] = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key)
-    return _CLIENTS[loop].with_options(base_url=ctx.base_url, api_key=ctx.api_key)
-
-
 class SingleTurnChat(ChatAgent):
     """Ask the task's prompt once; the task's own reward scores the answer."""
 
     async def run(self, ctx):
-        client = session_client(ctx)
+        client = ctx.client()
         reply = await client.chat.completions.create(model=ctx.model, messages=ctx.messages, tools=ctx.tools)
         answer = reply.choices[0].message.content or ""
         _, reward, _, _, _ = ctx.env.step(answer)
@@ -63,7 +47,7 @@ class PythonToolAgent(ChatAgent):
         self.max_turns, self.sandbox = max_turns, Sandbox()
 
     async def run(self, ctx):
-        client = session_client(ctx)
+        client = ctx.client()
         messages = list(ctx.messages)
         for _ in range(self.max_turns):
             reply = await client.chat.completions.create(model=ctx.model, messages=messages,
@@ -88,7 +72,7 @@ class LockerAgent(ChatAgent):
         self.max_turns = max_turns
 
     async def run(self, ctx):
-        client = session_client(ctx)
+        client = ctx.client()
         messages = list(ctx.messages)
         for _ in range(self.max_turns):
             reply = await client.chat.completions.create(model=ctx.model, messages=messages, tools=ctx.tools)
@@ -123,7 +107,7 @@ def responses_model(ctx):
     """The SDK's default model class on a client for this episode's session."""
     import agents
 
-    client = session_client(ctx)
+    client = ctx.client()
     return agents.OpenAIResponsesModel(model=ctx.model, openai_client=client)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+from dataclasses import dataclass
 
 from molt_agents.chat_template import render_text
 from molt_agents.engines.base import SamplingParams, turn_seed
@@ -24,48 +25,80 @@ from molt_env.spaces import as_messages
 from molt_env.trajectory import Trajectory
 
 
+@dataclass
+class Turns:
+    """What `play_turns` saw: each step's reward, the last step's info, whether the episode was cut short
+    (truncated by the environment, its turn limit or the token budget), the reset's info, and the
+    conversation with the last reply."""
+
+    rewards: list[float]
+    info: dict
+    truncated: bool
+    reset_info: dict
+    messages: list[dict]
+
+
+async def play_turns(env, turn, *, seed: int | None = None, options: dict | None = None) -> Turns:
+    """The loop of every player that the framework drives: reset `env`, then ask `await turn(messages, tools,
+    index)` for the `index`-th reply (its text, and the assistant message to keep; None when the token budget
+    is spent), step the environment with it and append the next observation (tool results answer the
+    reply's tool calls in order, under their ids), until the environment ends the episode or its turn limit
+    (`max_turns`) is hit."""
+    observation, reset_info = await env.areset(seed=seed, options=options)
+    messages, tools, max_turns = as_messages(observation), getattr(env, "tools", None), getattr(env, "max_turns", None)
+    rewards: list[float] = []
+    info: dict = {}
+    while True:
+        played = await turn(messages, tools, len(rewards))
+        if played is None:
+            truncated = True
+            break
+        reply, assistant = played
+        messages = messages + [assistant]
+        observation, reward, terminated, truncated, info = await env.astep(reply)
+        rewards.append(float(reward))
+        if terminated or truncated:
+            break
+        if max_turns is not None and len(rewards) >= max_turns:
+            truncated = True
+            break
+        messages = messages + _answering(assistant, as_messages(observation))
+    return Turns(rewards, info, bool(truncated), reset_info, messages)
+
+
+def _answering(assistant: dict, following: list[dict]) -> list[dict]:
+    """`following` with its tool messages answering the assistant's tool calls, in order, under their ids."""
+    ids = iter(call["id"] for call in assistant.get("tool_calls", ()))
+    return [{**m, "tool_call_id": next(ids, m.get("tool_call_id"))} if m["role"] == "tool" else m for m in following]
+
+
 async def run_episode(env, engine, tokenizer, params: SamplingParams, *, max_total_tokens: int,
                       seed: int | None = None, options: dict | None = None,
                       rollout_id: str | None = None, group_id: str = "", vision=None) -> list[Trajectory]:
     """Play one episode of `env` with the policy behind `engine`; returns its segments.
 
     `vision` (a `multimodal.Vision`) lets observations carry images."""
-    observation, reset_info = await env.areset(seed=seed, options=options)
-    messages = as_messages(observation)
-    tools = getattr(env, "tools", None)
-    segment = Segment.from_text(tokenizer, render_text(tokenizer, for_template(messages), tools), vision,
-                                chat_images(messages))
-    segments = [segment]
-    step_rewards: list[float] = []
-    step_info: dict = {}
-    truncated = False
-    max_turns = getattr(env, "max_turns", None)
-    while True:
+    segments: list[Segment] = []
+
+    async def turn(messages: list[dict], tools, index: int):
+        rendered, images = render_text(tokenizer, for_template(messages), tools), chat_images(messages)
+        if not segments or not segments[-1].extend_to(rendered, images):  # the template rewrote history
+            segments.append(Segment.from_text(tokenizer, rendered, vision, images))  # (or the first turn)
+        segment = segments[-1]
         budget = max_total_tokens - len(segment.token_ids)
         if budget <= 0:
-            truncated = True
-            break
+            return None
         turn_params = dataclasses.replace(params, n=1, max_tokens=min(params.max_tokens, budget),
-                                          seed=turn_seed(params.seed, len(step_rewards)))
+                                          seed=turn_seed(params.seed, index))
         (sample,) = await engine.generate(segment.token_ids, turn_params, images=segment.prompt_images())
         segment.append_sample(sample)
         reply = tokenizer.decode(sample.token_ids, skip_special_tokens=True)
-        observation, reward, terminated, truncated, step_info = await env.astep(reply)
-        step_rewards.append(float(reward))
-        if terminated or truncated:
-            break
-        if max_turns is not None and len(step_rewards) >= max_turns:
-            truncated = True
-            break
-        messages = messages + [{"role": "assistant", "content": reply}] + as_messages(observation)
-        rendered, images = render_text(tokenizer, for_template(messages), tools), chat_images(messages)
-        if not segment.extend_to(rendered, images):  # the template rewrote history: seal, start anew
-            segment = Segment.from_text(tokenizer, rendered, vision, images)
-            segments.append(segment)
+        return reply, {"role": "assistant", "content": reply}
 
+    turns = await play_turns(env, turn, seed=seed, options=options)
     rollout_id = rollout_id or uuid.uuid4().hex
     kept = [s for s in segments if any(s.mask)]
-    info = {**step_info, "step_rewards": step_rewards, "turns": len(step_rewards), "reset_info": reset_info}
-    return [s.to_trajectory(reward=sum(step_rewards), rollout_id=rollout_id, group_id=group_id,
-                            segment=i, num_segments=len(kept), truncated=bool(truncated), info=info)
+    info = {**turns.info, "step_rewards": turns.rewards, "turns": len(turns.rewards), "reset_info": turns.reset_info}
+    return [s.to_trajectory(reward=sum(turns.rewards), rollout_id=rollout_id, group_id=group_id,
+                            segment=i, num_segments=len(kept), truncated=turns.truncated, info=info)
             for i, s in enumerate(kept)]

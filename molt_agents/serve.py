@@ -10,7 +10,6 @@ training. Sessions are created on first use: point a client at
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 from pathlib import Path
 
@@ -34,9 +33,12 @@ def main(argv: list[str] | None = None) -> None:
     from molt_agents.engines import make_engine
     from molt_agents.loopback import Loopback
     from molt_agents.multimodal import ImageLimits, Vision
-    from molt_agents.tiny import tiny_model
+    from molt_agents.tiny import model_dir
 
-    model = args.model or str(tiny_model("dense"))
+    try:
+        model = str(model_dir(args.model, default="dense"))
+    except ValueError as error:
+        parser.exit(2, f"molt-serve: {error}\n")
     tokenizer = AutoTokenizer.from_pretrained(model)
     engine = make_engine(args.engine, model, dtype=args.dtype, max_model_len=args.max_model_len)
 

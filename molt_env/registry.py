@@ -9,12 +9,16 @@
   - `path/to/file.py:Class`.
 Environments registered here are Gymnasium environments too:
 `gymnasium.make("molt/Arithmetic-v0")` works once the module that registers
-it is imported (the bundled ones register on `import environments`).
+it is imported. A package makes its environments known by name by declaring
+that module as an entry point in the `molt.environments` group (the bundled
+`environments` package does, in pyproject.toml); the registry imports those
+modules the first time a name is looked up.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -49,7 +53,21 @@ def register_family(prefix: str, entry_point: str) -> None:
 
 def registered() -> dict[str, str]:
     """Short names and their Gymnasium ids."""
+    _load_entry_points()
     return dict(_SHORT_NAMES)
+
+
+ENTRY_POINTS = "molt.environments"  # entry-point group of modules that register environments on import
+_entry_points_loaded = False
+
+
+def _load_entry_points() -> None:
+    """Import every installed package's registering module, once per process."""
+    global _entry_points_loaded
+    if not _entry_points_loaded:
+        _entry_points_loaded = True
+        for entry_point in importlib.metadata.entry_points(group=ENTRY_POINTS):
+            entry_point.load()
 
 
 _FILE_MODULES: dict[tuple[str, str], str] = {}  # (path/to/file.py, working directory) -> its module's name
@@ -86,6 +104,7 @@ def load_class(spec: str):
 
 def make(spec: str, **kwargs):
     """Instantiate the environment named by `spec` (see the module docstring)."""
+    _load_entry_points()
     prefix, _, task = spec.partition(":")
     if task and prefix in _FAMILIES:
         return load_class(_FAMILIES[prefix])(task, **kwargs)

@@ -7,6 +7,8 @@ with no code in the environment:
     training    seeds [0, 2**31)        train_seed(run_seed, group_index)
     evaluation  seeds [2**31, 2**32)    eval_seed(episode_index)
 
+and each episode's sampling seed is `sample_seed(run_seed, group_index, index)`.
+
 No run seed and no group index maps a training episode into the evaluation
 range (also after a resume, which only continues the group indices), and
 both ranges fit every seeding API (NumPy's legacy 32-bit one too).
@@ -38,6 +40,12 @@ def eval_seed(episode_index: int) -> int:
     if not 0 <= episode_index < EVAL_SEEDS:
         raise ValueError(f"evaluation episode {episode_index} is outside [0, {EVAL_SEEDS})")
     return EVAL_SEEDS + episode_index
+
+
+def sample_seed(seed: int | None, group_index: int, index: int) -> int | None:
+    """The sampling seed of episode `index` of group `group_index` (for evaluation: play `index` of episode
+    `group_index`) in a run sampling with `seed`: each episode its own stream (None: unseeded)."""
+    return None if seed is None else seed + 7919 * group_index + index
 
 
 def split_of(seed: int | None, options: dict | None = None) -> str:

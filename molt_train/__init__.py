@@ -5,4 +5,4 @@ loop, the policy actor (FSDP2, NeMo AutoModel), algorithms as pure functions,
 weight sync to the engines, checkpoints and metrics.
 """
 
-import molt_env  # noqa: F401,E402  (the base package; also quiets known library noise)
+import molt_agents  # noqa: F401  (quiets known library noise, see there)

@@ -10,7 +10,7 @@ it), so the trainer can tell the engine's mismatch (age 0) from staleness.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -24,7 +24,19 @@ from molt_train.packing import TrainItem
 Rollout = list[Trajectory]  # the segments of one episode; they share its reward
 
 
-def assemble(groups: list[dict], version: int, algo: AlgoConfig) -> tuple[list[TrainItem], dict]:
+@dataclass
+class Group:
+    """The episodes a rollout worker played of one training environment seed (`index` is the group's place
+    in the run's data): the segments of those that finished, the failure text of those that did not
+    (`molt_agents.episode.failure_text`), and the seconds it took."""
+
+    index: int
+    trajectories: list[Trajectory]
+    failures: list[str]
+    seconds: float = 0.0
+
+
+def assemble(groups: list[Group], version: int, algo: AlgoConfig) -> tuple[list[TrainItem], dict]:
     """The items to train on and the batch's metrics; `version` is the policy version the trainer holds."""
     trajectories, stats = _valid_trajectories(groups)
     rollouts = _rollouts(trajectories)
@@ -37,22 +49,20 @@ def assemble(groups: list[dict], version: int, algo: AlgoConfig) -> tuple[list[T
     return items, stats | filter_stats | staleness_stats | _trained_stats(items, len(kept), groups)
 
 
-def _valid_trajectories(groups: list[dict]) -> tuple[list[Trajectory], dict]:
+def _valid_trajectories(groups: list[Group]) -> tuple[list[Trajectory], dict]:
     """The trajectories the validator accepts; counts of failed episodes and of rejected trajectories by reason."""
     trajectories, invalid = [], Counter()
     for group in groups:
-        for trajectory in group["trajectories"]:
+        for trajectory in group.trajectories:
             reason = validate(trajectory)
             if reason:
                 invalid[reason] += 1
             else:
                 trajectories.append(trajectory)
-    failures = [failure for group in groups for failure in group["failures"]]
+    failures = [failure for group in groups for failure in group.failures]
     stats = {"episodes/failed": len(failures)}
     for reason, count in Counter(failure.split(":", 1)[0] for failure in failures).items():
         stats[f"episodes/failed/{reason}"] = count
-    if failures:
-        stats["episodes/failure_example"] = failures[0]
     return trajectories, stats | {f"invalid/{reason}": count for reason, count in invalid.items()}
 
 
@@ -134,13 +144,13 @@ def _train_items(rollout: Rollout, advantage: float, version: int) -> list[Train
             for t in rollout if any(t.mask)]
 
 
-def _trained_stats(items: list[TrainItem], rollouts: int, groups: list[dict]) -> dict:
+def _trained_stats(items: list[TrainItem], rollouts: int, groups: list[Group]) -> dict:
     ages = [{age for age, m in zip(item.ages, item.mask) if m} for item in items]
     return {"tokens/trained": sum(sum(item.mask) for item in items), "rollouts/trained": rollouts,
             "staleness/trained_max": max((max(a) for a in ages), default=0),
             # partial rollouts: the weights changed while the segment was sampled
             "versions/mixed_trajectories": sum(len(a) > 1 for a in ages),
-            "data/groups": sorted(group["group_index"] for group in groups)}
+            "data/groups": sorted(group.index for group in groups)}
 
 
 def _trainable(rollout: Rollout) -> int:

@@ -16,7 +16,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
 from molt_train import resume
 from molt_train.config import Config, ConfigError, validate
 from molt_train.console import LOG, Console
-from molt_train.model_fit import fit_to_model
+from molt_train.model_fit import resolve_from_model
 
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
@@ -93,31 +93,20 @@ def _flat(namespace) -> dict:
 
 
 def _model_dir(config: Config) -> str:
-    from molt_agents.tiny import tiny_model
+    from molt_agents.tiny import model_dir
 
-    if config.model is None:
-        return str(tiny_model("chat"))
-    if config.model.startswith("tiny:"):  # tiny:dense, tiny:moe, tiny:chat, tiny:agent, tiny:vlm
-        return str(tiny_model(config.model.split(":", 1)[1]))
-    return config.model
+    return str(model_dir(config.model))
 
 
 def main(argv: list[str] | None = None) -> None:
     try:
         config, changes = parse_config(sys.argv[1:] if argv is None else argv)
         validate(config)
-        import environments  # noqa: F401  (registers the bundled environments' short names)
-        import molt_env
-
-        molt_env.make(config.env)  # fail now, not inside a worker, on a bad --env or --agent
-        if config.agent is not None:
-            from molt_env.registry import load_class
-
-            load_class(config.agent)
+        check_loadable(config)
         model_dir = _model_dir(config)
         if config.dry_run:
             sys.exit(dry_run(config, model_dir))
-        fit_to_model(config, model_dir, gpu_engines=_gpu_engines(config))
+        resolve_from_model(config, model_dir, gpu_engines=gpu_engines(config))
     except (ConfigError, ValueError) as error:
         sys.exit(f"molt-train: {error}")
     run_dir = Path(config.out or f"runs/{Path(config.env.split(':')[-1]).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -156,7 +145,23 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
 
 
-def _gpu_engines(config: Config) -> bool:
+def check_loadable(config: Config) -> None:
+    """The environment and the agent load: a bad --env or --agent fails now, not inside a worker."""
+    import molt_env
+    from molt_env.registry import load_class
+
+    try:
+        molt_env.make(config.env)
+    except ValueError as error:
+        raise ConfigError(f"--env {config.env}: {error}") from None
+    if config.agent is not None:
+        try:
+            load_class(config.agent)
+        except ValueError as error:
+            raise ConfigError(f"--agent {config.agent}: {error}") from None
+
+
+def gpu_engines(config: Config) -> bool:
     """Whether the engines run on GPUs: this machine has one, or the run joins a cluster (which may)."""
     import shutil
 
@@ -170,7 +175,7 @@ def dry_run(config: Config, model_dir: str) -> int:
 
     try:
         cluster = plan.cluster_of(config)
-        fit_to_model(config, model_dir, gpu_engines=cluster.gpus > 0, local=False)
+        resolve_from_model(config, model_dir, gpu_engines=cluster.gpus > 0, local=False)
         the_plan = plan.make_plan(config, model_config(model_dir), cluster)
         print(plan.render(the_plan, model_dir))
         plan.check(the_plan)

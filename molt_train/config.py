@@ -43,10 +43,6 @@ class EngineConfig:
     kv_cache_dtype: Literal["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
     """KV cache dtype (auto: the engine dtype); fp8 halves the cache and widens the engine-trainer logprob
     mismatch, which the importance weights then correct."""
-    speculative: Literal["none", "ngram", "mtp"] = "none"
-    """Speculative decoding (n-gram or the model's MTP head). Refused: this vLLM reports a wrong logprob
-    for a sampled token where a request stops inside an accepted draft, and every trained token must carry
-    the logprob it was sampled with."""
 
 
 @dataclass
@@ -302,9 +298,6 @@ class ConfigError(ValueError):
     pass
 
 
-SPECULATIVE_CHECKED_ON = "0.32"  # the vLLM whose speculative logprobs tests/test_engine_parallel.py measures
-
-
 def validate(config: Config) -> None:
     """Reject values and combinations that cannot run, naming the flag."""
     def need(ok: bool, flag: str, why: str):
@@ -350,16 +343,11 @@ def validate(config: Config) -> None:
     if engine.name == "hf":
         for flag, value, plain in (("tensor_parallel_size", engine.tensor_parallel_size, 1),
                                    ("expert_parallel", engine.expert_parallel, False),
-                                   ("kv_cache_dtype", engine.kv_cache_dtype, "auto"),
-                                   ("speculative", engine.speculative, "none")):
+                                   ("kv_cache_dtype", engine.kv_cache_dtype, "auto")):
             need(value == plain, f"engine.{flag}", f"{value} needs --engine.name vllm (the hf engine is one process "
                  "with a plain cache)")
     need(not engine.expert_parallel or engine.tensor_parallel_size >= 2, "engine.expert_parallel",
          "spreads experts over the engine's ranks: needs --engine.tensor_parallel_size >= 2")
-    need(engine.speculative == "none", "engine.speculative",
-         f"{engine.speculative}: vLLM {SPECULATIVE_CHECKED_ON} reports a wrong logprob for a sampled token where a "
-         "request stops inside an accepted draft (measured up to 9.7 nats off on the tiny model, "
-         "tests/test_engine_parallel.py), and a trained token must carry the logprob it was sampled with")
     need(not (config.rollout.group_size == 1 and config.algo.estimator in ("grpo", "dr_grpo", "rloo", "gspo",
                                                                           "reinforce_pp_baseline")),
          "algo.estimator", f"{config.algo.estimator} needs --rollout.group_size >= 2 for its group baseline")

@@ -1,147 +1,172 @@
-"""`molt-eval`: score a checkpoint, or a model behind an OpenAI-compatible endpoint, on held-out episodes.
+"""`molt-eval`: score a run, a checkpoint, or a model behind an OpenAI-compatible endpoint, on held-out episodes.
 
-    molt-eval --model runs/digit-X/checkpoints/step_000200 --env digit --episodes 64 --out report.json
+    molt-eval --model runs/locker-X --out report.json              # a run's latest checkpoint, as it trained
+    molt-eval --model runs/digit-X/checkpoints/step_000200 --eval.episodes 256
     molt-eval --model gpt-4o-mini --base-url https://api.openai.com/v1 --api-key $KEY --env digit
 
-The episodes are the evaluation range of `molt_env.split` (seeds training
-never draws), the same ones `molt-train --eval.*` scores during a run, so a
-hosted model and our checkpoint are compared on identical episodes. A
-checkpoint (a run's `checkpoints/step_*`, its `policy/`, a run directory for
-its latest checkpoint, or any Hugging Face directory) plays them on the vLLM
-engine through the rollout worker's own code, with the env runner or
-`--agent` through the loopback. With `--base-url`, `--model` is the name the
-endpoint serves; the episodes go over the `openai` client
-(`molt_agents.endpoint`), or `--agent` gets the endpoint as its base URL.
-The report holds every play (reward, turns, tokens, failure) and the
-summary of `evaluate.summarize`.
+The flags are molt-train's, parsed by the same machinery (`--env`, `--agent`, `--seed`, `--eval.*`,
+`--rollout.*`, `--engine.*`), plus the endpoint's and the report's. Given a run (its directory or one of
+its checkpoints), the run's own `config.yaml` is the starting point (its environment, agent, seed,
+rollout, engine and evaluation settings: the run is scored as it trained), and the flags given apply on
+top. The episodes are the evaluation range of `molt_env.split` (seeds training never draws), the same ones
+`molt-train --eval.*` scores during a run, so a hosted model and our checkpoint are compared on identical
+episodes. A checkpoint plays them on its engine through the rollout worker's own code; with `--base-url`,
+`--model` is the name the endpoint serves (`molt_agents.episode.EndpointPlayer`). The report holds every
+play (reward, turns, tokens, failure) and the summary of `evaluate.summarize`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from jsonargparse import ArgumentParser
 
-class InputError(ValueError):
-    """Bad input: the message names the flag and the problem."""
+from molt_train.cli import check_loadable, gpu_engines  # (also sets molt-train's parsing: flag help from docstrings)
+from molt_train.config import Config, ConfigError, EngineConfig, EvalConfig, RolloutConfig
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="molt-eval", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True,
-                        help="a checkpoint (RUN_DIR/checkpoints/step_N or its policy/), a run directory (its latest "
-                             "checkpoint), a Hugging Face model directory, tiny:chat; with --base-url, the model "
-                             "name the endpoint serves")
-    parser.add_argument("--env", default="digit", help="environment, as molt-train --env (default: digit)")
-    parser.add_argument("--agent", default=None,
-                        help="a ChatAgent class (package.module:Class or path/file.py:Class) that plays each episode "
-                             "(through the loopback, or against --base-url); default: the env runner")
-    parser.add_argument("--episodes", type=int, default=64, help="held-out episodes (evaluation seeds 0..N-1)")
-    parser.add_argument("--samples", type=int, default=1, help="plays per episode: the k of pass@k (default 1)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
-    parser.add_argument("--pass-threshold", type=float, default=1.0,
-                        help="an episode passes when its reward is at least this (default 1.0)")
-    parser.add_argument("--max-tokens", type=int, default=16, help="most tokens sampled per turn (default 16)")
-    parser.add_argument("--max-total-tokens", type=int, default=512, help="token budget of an episode (default 512)")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    parser.add_argument("--engine", choices=("vllm", "hf"), default="vllm", help="engine for a checkpoint")
-    parser.add_argument("--dtype", default="float32", help="engine weight dtype for a checkpoint")
-    parser.add_argument("--base-url", default=None, help="an OpenAI-compatible endpoint (e.g. molt-serve's base URL, "
-                        "with <session> replaced by a session per play) to evaluate instead of a checkpoint")
-    parser.add_argument("--api-key", default="none", help="API key of --base-url")
-    parser.add_argument("--concurrency", type=int, default=16, help="plays in flight against --base-url")
-    parser.add_argument("--episode-timeout", type=float, default=300.0, help="seconds a play may take (then failed)")
-    parser.add_argument("--out", type=Path, default=None, help="write the report (JSON) here")
+@dataclass
+class EvalCommand:
+    """Score a model on held-out episodes."""
+
+    model: str
+    """A run directory (its latest checkpoint), a checkpoint (RUN_DIR/checkpoints/step_N or its policy/), a
+    Hugging Face model directory or tiny:KIND; with --base_url, the model name the endpoint serves."""
+    env: str = "digit"
+    """Environment, as molt-train --env (default: the run's, else digit)."""
+    agent: str | None = None
+    """A ChatAgent class that plays each episode (through the loopback, or against --base_url); default: the
+    env runner."""
+    seed: int = 0
+    """Sampling seed (default: the run's)."""
+    base_url: str | None = None
+    """An OpenAI-compatible endpoint (e.g. molt-serve's base URL, <session> replaced per play) to evaluate
+    instead of a checkpoint."""
+    api_key: str = "none"
+    """API key of --base_url."""
+    concurrency: int = 16
+    """Plays in flight against --base_url."""
+    out: str | None = None
+    """Write the report (JSON) here."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def config(self) -> Config:
+        """The run this evaluation stands for, as molt-train's checks and engines take it."""
+        return Config(env=self.env, agent=self.agent, seed=self.seed, eval=self.eval, rollout=self.rollout,
+                      engine=self.engine)
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="molt-eval", description=__doc__.split("\n\n")[0], default_env=False)
+    parser.add_class_arguments(EvalCommand, nested_key=None, as_group=False)
     return parser
 
 
+def parse(argv: list[str]) -> EvalCommand:
+    """The command; for a run's model, the run's own settings are the defaults (`run_of`)."""
+    argv = [_underscored(arg) for arg in argv]
+    parser = build_parser()
+    model = parser.parse_args(argv).model
+    run_dir = None if any(arg.startswith("--base_url") for arg in argv) else run_of(Path(model))
+    if run_dir is not None:
+        from molt_train import resume
+        from molt_train.cli import build_parser as train_parser
+
+        known = {action.dest for action in parser._actions}
+        parser.set_defaults({flag: value for flag, value in resume.run_config(train_parser(), run_dir).items()
+                             if flag in known and flag not in ("model", "out")})
+    namespace = parser.parse_args(argv)
+    return EvalCommand(**vars(parser.instantiate(namespace)))
+
+
+def _underscored(arg: str) -> str:
+    """`--base-url` as `--base_url` (the spelling of the config's fields); values unchanged."""
+    if not arg.startswith("--"):
+        return arg
+    flag, equals, value = arg.partition("=")
+    return "--" + flag[2:].replace("-", "_") + equals + value
+
+
+def run_of(path: Path) -> Path | None:
+    """The run directory `path` belongs to: itself, or the run of a checkpoint or of its policy/."""
+    if path.name == "policy":
+        path = path.parent
+    if path.name.startswith("step_") and path.parent.name == "checkpoints":
+        path = path.parent.parent
+    return path if (path / "config.yaml").is_file() and (path / "checkpoints").is_dir() else None
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
     try:
-        check(args)
+        command = parse(sys.argv[1:] if argv is None else argv)
+        config = command.config()
+        check(command, config)
         started = time.perf_counter()
-        records = asyncio.run(play_endpoint(args) if args.base_url else play_checkpoint(args))
-    except InputError as error:
+        play = play_endpoint if command.base_url else play_checkpoint
+        records = asyncio.run(play(command, config))
+    except (ConfigError, ValueError) as error:
         sys.exit(f"molt-eval: {error}")
     from molt_train.evaluate import summarize
 
-    summary = summarize(records, args.pass_threshold) | {"seconds": time.perf_counter() - started}
-    report = {"model": args.model if args.base_url else str(policy_dir(args.model)), "env": args.env,
-              "agent": args.agent, "base_url": args.base_url, "episodes": args.episodes, "samples": args.samples,
-              "temperature": args.temperature, "pass_threshold": args.pass_threshold, "max_tokens": args.max_tokens,
-              "seed": args.seed, "summary": summary, "plays": records}
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1))
-    k = args.samples
-    print(f"molt-eval: {args.env}, {summary['episodes']} episodes x {k} at temperature {args.temperature}: "
+    summary = summarize(records, config.eval.pass_threshold) | {"seconds": time.perf_counter() - started}
+    report = {"model": command.model if command.base_url else str(policy_dir(command.model)), "env": config.env,
+              "agent": config.agent, "base_url": command.base_url, "seed": config.seed,
+              "eval": dataclasses.asdict(config.eval), "rollout": dataclasses.asdict(config.rollout),
+              "summary": summary, "plays": records}
+    if command.out is not None:
+        Path(command.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(command.out).write_text(json.dumps(report, indent=1))
+    evaluation, k = config.eval, config.eval.samples
+    print(f"molt-eval: {config.env}, {summary['episodes']} episodes x {k} at temperature {evaluation.temperature}: "
           f"reward {summary['reward']:.3f}, pass@1 {summary['pass@1']:.3f}"
           + (f", pass@{k} {summary[f'pass@{k}']:.3f}" if k > 1 else "")
           + f", {summary['failed']} failed, {summary['seconds']:.1f} s"
-          + (f"; report {args.out}" if args.out else ""))
+          + (f"; report {command.out}" if command.out else ""))
 
 
-def check(args) -> None:
-    """Every input checked before any engine starts; an InputError names the flag."""
-    from molt_train.config import EvalConfig, validate_eval
+def check(command: EvalCommand, config: Config) -> None:
+    """Every input checked before any engine starts, as molt-train checks its own; a ConfigError names the
+    flag. A checkpoint's engine context follows its model (`engine.max_model_len`)."""
+    from molt_train.config import validate
+    from molt_train.model_fit import resolve_from_model
 
-    def need(ok: bool, flag: str, why: str):
-        if not ok:
-            raise InputError(f"--{flag.replace('_', '-')}: {why}")
-
-    validate_eval(EvalConfig(episodes=args.episodes, samples=args.samples, temperature=args.temperature,
-                             pass_threshold=args.pass_threshold), need, prefix="")
-    need(args.max_tokens >= 1, "max_tokens", "must be >= 1")
-    need(args.concurrency >= 1, "concurrency", "must be >= 1")
-    import environments  # noqa: F401  (registers the bundled environments' short names)
-    import molt_env
-
-    try:
-        molt_env.make(args.env)
-    except Exception as error:  # an unknown name, or an environment that fails to build
-        raise InputError(f"--env {args.env}: {str(error).splitlines()[0]}") from None
-    if args.agent is not None:
-        from molt_env.registry import load_class
-
-        try:
-            load_class(args.agent)
-        except ValueError as error:
-            raise InputError(f"--agent: {error}") from None
-    if args.base_url:
-        _reachable(args.base_url.replace("<session>", "molt-eval"))
+    validate(config)
+    if command.concurrency < 1:
+        raise ConfigError("--concurrency: must be >= 1")
+    check_loadable(config)
+    if command.base_url:
+        _reachable(command.base_url.replace("<session>", "molt-eval"))
     else:
-        policy_dir(args.model)
+        resolve_from_model(config, policy_dir(command.model), gpu_engines=gpu_engines(config))
 
 
 def policy_dir(model: str) -> Path:
-    """The Hugging Face directory behind `--model`: itself, a checkpoint's `policy/`, or a run's latest one's."""
-    if model.startswith("tiny:"):
-        from molt_agents.tiny import tiny_model
+    """The Hugging Face directory behind `--model`: a checkpoint's `policy/`, a run's latest one's, or the
+    model directory (`tiny.model_dir`)."""
+    from molt_agents.tiny import model_dir
 
-        return tiny_model(model.split(":", 1)[1])
     path = Path(model)
-    if (path / "config.json").is_file():
-        return path
     if (path / "loop_state.json").is_file() or path.name.startswith("step_"):  # a checkpoint
         if not (path / "policy" / "config.json").is_file():
-            raise InputError(f"--model {model}: the checkpoint has no policy (no {path / 'policy' / 'config.json'}); "
-                             "it may be incomplete: pass another step_* directory")
+            raise ConfigError(f"--model {model}: the checkpoint has no policy (no {path / 'policy' / 'config.json'}); "
+                              "it may be incomplete: pass another step_* directory")
         return path / "policy"
     if (path / "checkpoints").is_dir():  # a run directory: its latest checkpoint
         from molt_train import checkpoint
 
         latest = checkpoint.latest(path)
         if latest is None:
-            raise InputError(f"--model {model}: the run has no finished checkpoint under {path / 'checkpoints'}")
+            raise ConfigError(f"--model {model}: the run has no finished checkpoint under {path / 'checkpoints'}")
         return policy_dir(str(latest))
-    if not path.exists():
-        raise InputError(f"--model {model}: no such directory")
-    raise InputError(f"--model {model}: not a Hugging Face model directory (no config.json), a checkpoint "
-                     "(step_*/policy) or a run directory (checkpoints/); for an endpoint pass --base-url")
+    return model_dir(model)
 
 
 def _reachable(base_url: str) -> None:
@@ -151,11 +176,7 @@ def _reachable(base_url: str) -> None:
     try:
         httpx.get(base_url, timeout=10.0)
     except httpx.HTTPError as error:
-        raise InputError(f"--base-url {base_url}: unreachable ({type(error).__name__}: {error})") from None
-
-
-def _episodes(args) -> list[tuple[int, int]]:
-    return [(episode, sample) for episode in range(args.episodes) for sample in range(args.samples)]
+        raise ConfigError(f"--base_url {base_url}: unreachable ({type(error).__name__}: {error})") from None
 
 
 def _progress(total: int):
@@ -164,104 +185,50 @@ def _progress(total: int):
     return tqdm(total=total, desc="molt-eval", unit="episode", dynamic_ncols=True, file=sys.stderr)
 
 
-def _sampling(args) -> dict:
-    return {"temperature": args.temperature, "top_p": 1.0, "max_tokens": args.max_tokens, "seed": args.seed}
-
-
-# ---------------------------------------------------------------------------
-# A checkpoint: the rollout worker's own evaluation, in this process
-
-
-async def play_checkpoint(args) -> list[dict]:
-    from molt_train.model_fit import context_limit, model_config
+async def play_checkpoint(command: EvalCommand, config: Config) -> list[dict]:
+    """The rollout worker's own evaluation, in this process."""
+    from molt_train.evaluate import eval_sampling
     from molt_train.rollout import RolloutWorker
 
-    model = policy_dir(args.model)
-    max_model_len = context_limit(model_config(model)) or 4096
-    if args.max_total_tokens > max_model_len:
-        raise InputError(f"--max-total-tokens: {args.max_total_tokens} is more than the model's context "
-                         f"({max_model_len} tokens)")
-    engine = {"name": args.engine, "dtype": args.dtype, "max_model_len": max_model_len, "options": {}}
-    worker = RolloutWorker(str(model), args.env, engine, _sampling(args), args.max_total_tokens, seed=args.seed,
-                           agent=args.agent, episode_timeout=args.episode_timeout)
+    worker = RolloutWorker(str(policy_dir(command.model)), config.env, config.rollout, config.engine,
+                           eval_sampling(config), seed=config.seed, agent=config.agent)
     try:
-        with _progress(args.episodes * args.samples) as progress:
-            return await worker.evaluate(list(range(args.episodes)), args.samples, _sampling(args),
-                                         on_episode=lambda record: progress.update(1))
+        with _progress(config.eval.episodes * config.eval.samples) as progress:
+            return await worker.evaluate(list(range(config.eval.episodes)), config.eval.samples,
+                                         eval_sampling(config), on_episode=lambda record: progress.update(1))
     finally:
-        if worker.serving is not None:
-            worker.serving.cancel()
-        worker.engine.close()
+        worker.close()
 
 
-# ---------------------------------------------------------------------------
-# An OpenAI-compatible endpoint
-
-
-async def play_endpoint(args) -> list[dict]:
+async def play_endpoint(command: EvalCommand, config: Config) -> list[dict]:
+    """`--model` behind `--base_url`, `--concurrency` plays at a time."""
     import openai
 
-    import molt_env
+    from molt_agents.episode import EndpointPlayer, play
+    from molt_env.registry import load_class
     from molt_env.split import EVAL, eval_seed
-    from molt_train.evaluate import blank_record
+    from molt_train.evaluate import episode_record, eval_sampling
 
-    gate = asyncio.Semaphore(args.concurrency)
-    agent = None
-    if args.agent is not None:
-        from molt_env.registry import load_class
+    agent = load_class(config.agent)() if config.agent is not None else None
+    player = EndpointPlayer(command.base_url, command.api_key, command.model, config.rollout.max_total_tokens, agent)
+    gate, params = asyncio.Semaphore(command.concurrency), eval_sampling(config)
+    refused = (openai.AuthenticationError, openai.PermissionDeniedError, openai.NotFoundError)
 
-        agent = load_class(args.agent)()
-
-    async def play(episode: int, sample: int) -> dict:
-        seed = eval_seed(episode)
-        record = blank_record(episode, seed, sample)
-        base_url = args.base_url.replace("<session>", f"eval-{episode}-{sample}")
-        client = openai.AsyncOpenAI(base_url=base_url, api_key=args.api_key)
-        sampling = _sampling(args) | {"seed": args.seed + 7919 * episode + sample}
+    async def one(episode: int, sample: int, progress) -> dict:
         async with gate:
             try:
-                env = molt_env.make(args.env)
-                if agent is None:
-                    from molt_agents.endpoint import run_endpoint_episode
+                played = await play(player, config.env, params, env_seed=eval_seed(episode), group_index=episode,
+                                    index=sample, options={"split": EVAL}, rollout_id=f"{EVAL}-{episode}-{sample}",
+                                    group_id=str(episode), timeout=config.rollout.episode_timeout, fatal=refused)
+            except refused as error:
+                raise ConfigError(f"--base_url {command.base_url}: the endpoint refused the request "
+                                  f"({error.status_code}: {error.message})") from None
+        progress.update(1)
+        return episode_record(episode, eval_seed(episode), sample, played)
 
-                    played = run_endpoint_episode(env, client, args.model, sampling=sampling, seed=seed,
-                                                  options={"split": EVAL}, max_total_tokens=args.max_total_tokens)
-                else:
-                    played = _agent_episode(agent, env, base_url, args, sampling, seed)
-                return record | await asyncio.wait_for(played, args.episode_timeout)
-            except (openai.AuthenticationError, openai.PermissionDeniedError, openai.NotFoundError) as error:
-                raise InputError(f"--base-url {args.base_url}: the endpoint refused the request "
-                                 f"({error.status_code}: {error.message})") from None
-            except asyncio.TimeoutError:
-                return record | {"failure": f"timeout: the episode took over {args.episode_timeout} s"}
-            except Exception as error:  # the environment's, the agent's or the endpoint's: this play only
-                return record | {"failure": f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"}
-            finally:
-                await client.close()
-
-    with _progress(args.episodes * args.samples) as progress:
-        async def counted(episode, sample):
-            record = await play(episode, sample)
-            progress.update(1)
-            return record
-
-        return list(await asyncio.gather(*(counted(e, s) for e, s in _episodes(args))))
-
-
-async def _agent_episode(agent, env, base_url: str, args, sampling: dict, seed: int) -> dict:
-    """`--agent` against the endpoint: the agent's context points at it; its reward is the play's."""
-    import inspect
-
-    from molt_agents.agent import AgentContext, AgentResult
-    from molt_env.spaces import as_messages
-    from molt_env.split import EVAL
-
-    observation, info = await env.areset(seed=seed, options={"split": EVAL})
-    ctx = AgentContext(base_url=base_url, api_key=args.api_key, model=args.model, messages=as_messages(observation),
-                       tools=getattr(env, "tools", None), sampling=sampling, task=info, session_id="", env=env)
-    result = await agent.run(ctx) if inspect.iscoroutinefunction(agent.run) else await asyncio.to_thread(agent.run, ctx)
-    reward = result.reward if isinstance(result, AgentResult) else float(result)
-    return {"reward": reward, "turns": None, "completion_tokens": None, "total_tokens": None}
+    with _progress(config.eval.episodes * config.eval.samples) as progress:
+        return list(await asyncio.gather(*(one(e, s, progress) for e in range(config.eval.episodes)
+                                           for s in range(config.eval.samples))))
 
 
 if __name__ == "__main__":

@@ -28,35 +28,28 @@ from collections import defaultdict
 
 import ray
 
+from molt_agents.engines.base import SamplingParams
+from molt_agents.episode import Episode
 from molt_train.algorithms.pass_at_k import pass_at_k
 
 # ---------------------------------------------------------------------------
 # One play of an evaluation episode, and the summary of many
 
 
-def episode_record(episode: int, seed: int, sample: int, result) -> dict:
-    """The score of one play: `result` is its trajectories (the env runner's or the loopback's segments, all
-    with the episode's reward) or the failure message a worker returns instead."""
-    record = blank_record(episode, seed, sample)
-    if isinstance(result, str):
-        return record | {"failure": result.strip().splitlines()[0] if result.strip() else "failed"}
-    if not result:  # the policy sampled nothing (e.g. the prompt filled the context)
-        return record | {"failure": "no tokens sampled"}
-    masks = [t.mask for t in result]
-    versions = sorted({v for t in result for v, m in zip(t.versions, t.mask) if m})
-    turns = result[0].info.get("turns")  # the env runner counts them; for an agent, its generated spans
-    if turns is None:
-        turns = sum(m and not (i and mask[i - 1]) for mask in masks for i, m in enumerate(mask))
-    return record | {"reward": float(result[0].reward), "turns": int(turns),
-                     "completion_tokens": sum(map(sum, masks)), "total_tokens": sum(len(t.token_ids) for t in result),
-                     "versions": versions}
+def eval_sampling(config) -> SamplingParams:
+    """How a run (a `Config`) samples its evaluation episodes: `eval.temperature` over the whole distribution,
+    the run's reply length and seed."""
+    return SamplingParams(temperature=config.eval.temperature, top_p=1.0, max_tokens=config.rollout.max_tokens,
+                          seed=config.seed)
 
 
-def blank_record(episode: int, seed: int, sample: int) -> dict:
-    """A play's record before it is played: `versions` are the weight versions that sampled it (none known for
-    an endpoint), `turns` and the token counts None where the player cannot tell."""
-    return {"episode": episode, "seed": seed, "sample": sample, "reward": 0.0, "turns": 0, "completion_tokens": 0,
-            "total_tokens": 0, "versions": [], "failure": None}
+def episode_record(episode: int, seed: int, sample: int, played: Episode) -> dict:
+    """The score of one play: reward, turns and tokens (None where the player cannot tell), the weight versions
+    that sampled it (none known for an endpoint), the first line of its failure, and its text."""
+    return {"episode": episode, "seed": seed, "sample": sample, "reward": played.reward, "turns": played.turns,
+            "completion_tokens": played.completion_tokens, "total_tokens": played.total_tokens,
+            "versions": played.versions, "failure": played.failure.splitlines()[0] if played.failure else None,
+            "text": played.text}
 
 
 def summarize(records: list[dict], pass_threshold: float) -> dict:
@@ -97,8 +90,7 @@ class Evaluator:
     def __init__(self, config, workers, recover):
         """`recover()` brings workers Ray restarted up to the run (the runtime's `check_workers`)."""
         self.eval, self.steps, self.workers, self.recover = config.eval, config.steps, workers, recover
-        self.sampling = {"temperature": config.eval.temperature, "top_p": 1.0,
-                         "max_tokens": config.rollout.max_tokens, "seed": config.seed}
+        self.sampling = eval_sampling(config)
         self.last_reward: float | None = None
 
     def due(self, step: int) -> bool:

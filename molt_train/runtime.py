@@ -26,7 +26,7 @@ import ray
 
 from molt_train.console import StartupError, cause
 from molt_train.placement import Placement
-from molt_train.rollout import GroupStream, RolloutWorker
+from molt_train.rollout import GroupStream, RolloutWorker, training_sampling
 from molt_train.trainer import TrainerGroup
 from molt_train.trainer import rendezvous as trainer_rendezvous
 
@@ -73,21 +73,6 @@ def _describe(nodes: dict[str, list[str]]) -> str:
             f"({len(numbers)} node(s))")
 
 
-def engine_options(engine, colocate: bool = False) -> dict:
-    """The serving flags of `engine` (an EngineConfig) as the vLLM engine's arguments; none for hf.
-    Colocated engines can sleep (vLLM's sleep mode, GPU only)."""
-    if engine.name != "vllm":
-        return {}
-    options = dict(tensor_parallel_size=engine.tensor_parallel_size, enable_expert_parallel=engine.expert_parallel,
-                   gpu_memory_utilization=engine.gpu_memory_utilization,
-                   enable_prefix_caching=engine.enable_prefix_caching, kv_cache_dtype=engine.kv_cache_dtype)
-    if engine.enforce_eager is not None:
-        options["enforce_eager"] = engine.enforce_eager
-    if colocate:
-        options["enable_sleep_mode"] = True
-    return options
-
-
 class Runtime:
     @classmethod
     async def start(cls, config, model_dir: str, resume_from, state: dict, phase=print) -> Runtime:
@@ -104,17 +89,13 @@ class Runtime:
         self.placement = await Placement.reserve(config)  # a ConfigError names the flags
         phase(f"placement: {_describe(self.placement.nodes())}")
         start_dir = str(resume_from / "policy") if resume_from else model_dir
-        rollout = config.rollout
-        sampling = dict(temperature=rollout.temperature, top_p=rollout.top_p, max_tokens=rollout.max_tokens,
-                        seed=config.seed)
-        engine = dict(name=config.engine.name, dtype=config.engine.dtype, max_model_len=config.engine.max_model_len,
-                      options=engine_options(config.engine, config.actor.colocate))
         # A worker whose process dies is restarted by Ray with these arguments; `check_workers` then gives it
         # the current weights and version.
         worker = ray.remote(max_restarts=WORKER_RESTARTS, concurrency_groups={"control": 1})(RolloutWorker)
         self.workers = [worker.options(**self.placement.engine(i).options()).remote(
-                            start_dir, config.env, engine, sampling, rollout.max_total_tokens, config.seed + i,
-                            state["version"], config.agent, rollout.episode_timeout, rollout.allow_remote_images)
+                            start_dir, config.env, config.rollout, config.engine, training_sampling(config),
+                            seed=config.seed + i, version=state["version"], agent=config.agent,
+                            colocate=config.actor.colocate)
                         for i in range(config.engine.data_parallel_size)]
         rendezvous = await _started("the trainer's rendezvous", trainer_rendezvous(self.placement))
         self.trainer = TrainerGroup(model_dir, start_dir, config, self.placement, rendezvous)
@@ -129,7 +110,7 @@ class Runtime:
             await _started("the weight-sync channel", self._open_channel())
         phase(f"weight sync: {config.train.weight_sync}")
         data = state["data"]
-        self.groups = GroupStream(self.workers, rollout.group_size, rollout.groups_per_step,
+        self.groups = GroupStream(self.workers, config.rollout.group_size, config.rollout.groups_per_step,
                                   config.train.async_queue_size, config.seed, data["next_index"], data["redo"],
                                   recover=self.check_workers)
         return self
@@ -146,7 +127,7 @@ class Runtime:
     async def train_step(self, items):
         """The trainer's step on `items`; its `StepStats`. Meanwhile `check_workers` readies the workers for
         the weight sync after it: the check is a call into each worker, which a worker busy generating answers
-        late (in the sync itself it took 30 ms of a 100 ms asynchronous step on 2 CPU cores)."""
+        late, so it overlaps the step instead of delaying the sync."""
         checked = asyncio.ensure_future(self.check_workers())
         try:
             stats = await self.trainer.step(items)

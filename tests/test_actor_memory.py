@@ -122,7 +122,7 @@ def _run(model_dir, entropy_coef: float = 0.0, **actor) -> dict:
         if every:  # each checkpointed block's input hidden states, kept by checkpoint
             saved[0] += len(range(0, config.num_hidden_layers, every)) * mb.num_tokens * config.hidden_size * 4
         weights = rank.full_weights()
-        return {"loss": stats.loss_sum, "logprobs": prepared[0]["old"], "largest_vocab_bytes": largest.bytes,
+        return {"loss": stats.loss_sum, "logprobs": prepared[0].old, "largest_vocab_bytes": largest.bytes,
                 "grads": grads, "weights": weights, "saved_bytes": saved[0],
                 "param_dtypes": {p.dtype for p in rank.model.parameters()},
                 "state_devices": {v.device for s in rank.optimizer.state.values() for v in s.values()

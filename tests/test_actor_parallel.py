@@ -176,14 +176,14 @@ def test_parallel_sizes_that_fit_give_the_data_parallel_size():
     ("dense", {"tensor_parallel": 2}, "--actor.tensor_parallel: 2 ranks cannot split the model's 1 heads"),
     ("moe", {"expert_parallel": 3}, "--actor.expert_parallel: 3 ranks cannot share the model's 4 experts")])
 def test_parallel_sizes_the_model_cannot_take_are_refused(kind, actor, message, dense_dir, moe_dir):
-    from molt_train.model_fit import fit_to_model
+    from molt_train.model_fit import resolve_from_model
 
     model_dir = dense_dir if kind == "dense" else moe_dir
     config = Config(actor=ActorConfig(backend="automodel", world_size=6, **actor))
     validate(config)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
-        fit_to_model(config, model_dir)
-    fit_to_model(Config(actor=ActorConfig(backend="automodel", world_size=2, expert_parallel=2)), moe_dir)
+        resolve_from_model(config, model_dir)
+    resolve_from_model(Config(actor=ActorConfig(backend="automodel", world_size=2, expert_parallel=2)), moe_dir)
 
 
 def test_context_parallel_takes_dense_models_and_expert_parallel_needs_automodels_own_class(dense_dir, moe_dir):

@@ -1,9 +1,9 @@
 """The agentic tasks on the tiny agent model: multi-turn `guess_number_told` and tool-calling `locker`.
 
-What a full learning run shows is in the README (minutes per run); these check, in seconds, what makes
-training on such episodes right: the replies of every turn are trained and nothing else is (hints and
-tool results are context), a tool's result reaches the next prompt token-exactly, one episode reward
-reaches every turn's tokens, and `molt-train` runs both tasks end to end.
+What a full learning run shows is in docs/environments.md and docs/experiments/agentic.md (minutes per
+run); these check, in seconds, what makes training on such episodes right: the replies of every turn are
+trained and nothing else is (hints and tool results are context), a tool's result reaches the next prompt
+token-exactly, one episode reward reaches every turn's tokens, and `molt-train` runs both tasks end to end.
 """
 
 import subprocess
@@ -20,7 +20,7 @@ from molt_agents.engines import SamplingParams
 from molt_agents.runner import run_episode
 from molt_agents.tool_calls import parse_reply
 from molt_env import check
-from molt_train.batch import assemble
+from molt_train.batch import Group, assemble
 from molt_train.config import AlgoConfig
 
 
@@ -85,7 +85,7 @@ def test_multi_turn_hints_are_context_and_the_reward_reaches_every_turn(vllm_eng
             assert between.endswith(f"\n<|im_start|>user\nNo: it is {secret}. Guess again.<|im_end|>\n"
                                     "<|im_start|>assistant\n") or "No number there" in between, between
     # The batch: every turn's tokens carry the episode's advantage (the reward is given at the last turn).
-    items, stats = assemble([{"group_index": 0, "trajectories": trajectories, "failures": []}], 0,
+    items, stats = assemble([Group(0, trajectories, [])], 0,
                             AlgoConfig(estimator="grpo", filter_zero_variance=False))
     assert stats["rollouts/trained"] == 16
     by_tokens = {tuple(item.token_ids): item for item in items}

@@ -1,5 +1,7 @@
-"""Every estimator, loss, KL estimator and importance-sampling mode against hand-computed values."""
+"""Every estimator, loss, KL estimator, importance-sampling mode and the objective that combines them against
+hand-computed values."""
 
+import dataclasses
 import math
 
 import pytest
@@ -7,6 +9,7 @@ import torch
 
 from molt_train.algorithms.advantages import ESTIMATORS, kl_penalized_advantages, zero_variance_groups
 from molt_train.algorithms.losses import entropy_from_logits, gspo_loss, kl, ppo_clip_loss
+from molt_train.algorithms.objective import objective
 from molt_train.algorithms.off_policy import importance_weights, mismatch, stale_tokens
 
 T = torch.tensor
@@ -164,3 +167,49 @@ def test_learning_rate_schedules_by_hand():
     assert f(0, "cosine") == 1.0 and abs(f(5, "cosine") - 0.55) < 1e-12 and abs(f(10, "cosine") - 0.1) < 1e-12
     assert abs(f(2, "cosine") - (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.2)))) < 1e-12
     assert abs(f(4, "linear", warmup=2) - (0.1 + 0.9 * (1 - 2 / 8))) < 1e-12  # decay starts after warmup
+
+
+def _algo(**changes):
+    from molt_train.config import AlgoConfig
+
+    return dataclasses.replace(AlgoConfig(), **changes)
+
+
+# The objective: four tokens in two sequences, the last one not trained. Old weights = the ones trained (every
+# PPO ratio 1, nothing clipped); the engine's logprobs give importance ratios 1, 3 (past is_high 2: dropped),
+# 0.5 and 1; the reference gives k1 KL 0.5, 2, 0.25, 0.
+OLD = T([-1.0, -1.0, -1.0, -1.0])
+ENGINE_LP = T([-1.0, -1.0 - math.log(3), -1.0 + math.log(2), -1.0])
+REF = T([-1.5, -3.0, -1.25, -1.0])
+ADVANTAGES, TRAINED, SEQUENCE = T([1.0, 1.0, -2.0, 5.0]), T([1.0, 1.0, 1.0, 0.0]), T([0, 0, 1, 1])
+ENTROPY = T([1.0, 2.0, 3.0, 4.0])
+MASKED_IS = dict(is_mode="mask", is_high=2.0, kl_estimator="k1", kl_coef=0.1, entropy_coef=0.01)
+
+
+def test_objective_with_kl_as_a_loss_term_and_an_entropy_bonus_hand_computed():
+    terms = objective(_algo(**MASKED_IS), OLD.clone(), OLD, REF, ENGINE_LP, ADVANTAGES, TRAINED, SEQUENCE, ENTROPY)
+    # surrogate -A * ratio * weight on the kept tokens 0 and 2: -1 * 1 + 2 * 0.5 = 0
+    # KL term 0.1 * (0.5 + 0.25) = 0.075; entropy bonus -0.01 * (1 + 3) = -0.04
+    assert terms.loss.item() == pytest.approx(0.035, abs=1e-6)
+    assert terms.kept_tokens == 2 and terms.clipped_frac == 0.0
+    assert terms.kl_sum == pytest.approx(2.75) and terms.entropy_sum == pytest.approx(6.0)  # every trainable token
+
+
+def test_objective_with_kl_in_the_reward_hand_computed():
+    terms = objective(_algo(**MASKED_IS, kl_in_reward=True), OLD.clone(), OLD, REF, ENGINE_LP, ADVANTAGES, TRAINED,
+                      SEQUENCE, ENTROPY)
+    # advantages less 0.1 x the kept tokens' KL still to come: 1 - 0.05 = 0.95 and -2 - 0.025 = -2.025
+    # surrogate -0.95 * 1 + 2.025 * 0.5 = 0.0625; no KL loss term; entropy bonus -0.04
+    assert terms.loss.item() == pytest.approx(0.0225, abs=1e-6)
+    assert terms.kl_sum == pytest.approx(2.75)  # still measured
+
+
+def test_objective_uses_the_sequence_ratio_for_gspo_and_nothing_without_reference_or_entropy():
+    logprobs, old = T([math.log(1.5), math.log(0.5)], requires_grad=True), T([0.0, 0.0])
+    args = (logprobs, old, None, old, T([1.0, 1.0]), T([1.0, 1.0]), T([0, 0]))
+    ppo = objective(_algo(clip_low=0.2, clip_high=0.28), *args)
+    assert ppo.loss.item() == pytest.approx(-1.28 - 0.5, abs=1e-5)  # per-token ratios 1.5 (clipped) and 0.5
+    assert ppo.clipped_frac == 0.5 and ppo.kl_sum is None and ppo.entropy_sum is None
+    gspo = objective(_algo(estimator="gspo", clip_low=0.2, clip_high=0.28), *args)
+    assert gspo.loss.item() == pytest.approx(-2 * math.sqrt(0.75), abs=1e-5)  # the geometric mean, unclipped
+    assert gspo.clipped_frac == 0.0

@@ -128,7 +128,7 @@ def test_flags_that_do_not_fit_the_model_fail_in_one_line_naming_the_flag(tmp_pa
     ]
     for flags, config, needle in cases:
         from molt_train.config import Config, ConfigError
-        from molt_train.model_fit import fit_to_model
+        from molt_train.model_fit import resolve_from_model
 
         run = Config(model=_model(tmp_path, **config))
         for flag, value in zip(flags[::2], flags[1::2]):
@@ -136,11 +136,11 @@ def test_flags_that_do_not_fit_the_model_fail_in_one_line_naming_the_flag(tmp_pa
             setattr(getattr(run, group), name, type(getattr(getattr(Config(), group), name) or 1)(value)
                     if name != "dtype" else value)
         if needle is None:
-            fit_to_model(run, run.model)
+            resolve_from_model(run, run.model)
             assert run.engine.max_model_len == 512  # follows the model
             continue
         try:
-            fit_to_model(run, run.model)
+            resolve_from_model(run, run.model)
         except ConfigError as error:
             assert str(error).startswith(needle), (flags, str(error))
             assert "\n" not in str(error)

@@ -12,7 +12,7 @@ from conftest import long_request, run
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from molt_agents.chat_template import render_prompt_ids
-from molt_agents.engines import SamplingParams
+from molt_agents.engines import SamplingParams, vllm_cpu_reload
 
 
 def _prompt(model_dir):
@@ -71,8 +71,8 @@ def test_vllm_weight_update_bumps_version_and_changes_logprobs(vllm_dense, dense
         model.lm_head.weight.mul_(3.0)  # a visibly different policy
         model.model.layers[0].mlp.down_proj.weight.add_(0.05)
     before = vllm_dense.version
-    # the dense model reloads through `vllm_cpu_reload` on CPU (the MoE model through vLLM's reload)
-    assert vllm_dense._cpu_reload == (not torch.cuda.is_available())
+    # the dense model reloads through `vllm_cpu_reload` on CPU (the MoE model through vLLM's reload, then a prepack)
+    assert (vllm_dense._reload is vllm_cpu_reload.reload) == (not torch.cuda.is_available())
     version = run(vllm_dense.update_weights(list(model.state_dict().items())))
     try:
         assert version == before + 1 == vllm_dense.version

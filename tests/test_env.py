@@ -1,6 +1,8 @@
 """The Gymnasium side: `Env` subclasses pass `check_env`, names resolve, bad trajectories are named."""
 
 import math
+import subprocess
+import sys
 
 import gymnasium
 import numpy as np
@@ -43,6 +45,14 @@ class Chatty(Env):
 @pytest.mark.parametrize("env", [Echo(), Chatty(), environments.arithmetic.Arithmetic()])
 def test_check_env_passes(env):
     check_env(env, skip_render_check=True)
+
+
+def test_the_bundled_names_resolve_without_importing_their_package():
+    """The `molt.environments` entry point: a process that imports only molt_env finds `digit` by name."""
+    code = ("import sys, molt_env; assert 'environments' not in sys.modules; "
+            "print(type(molt_env.make('digit')).__module__)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "environments.digit", result.stderr[-2000:]
 
 
 def test_gymnasium_make_and_molt_names():

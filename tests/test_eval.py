@@ -143,7 +143,8 @@ def evaluated_run(tmp_path_factory, ray_address):
     # The untrained dense model: its greedy replies differ from prompt to prompt (the warm-started chat model's
     # may all be the same digit), which the comparison of molt-eval's two paths below needs.
     flags = ["--env", f"{env}:Recorder", "--model", "tiny:dense", "--train.async_queue_size", "0", "--eval.every", "2",
-             "--eval.at_start", "true", "--eval.episodes", "8", "--algo.filter_zero_variance", "false"]
+             "--eval.at_start", "true", "--eval.episodes", "8", "--algo.filter_zero_variance", "false",
+             "--rollout.max_tokens", "12"]
     _train(out, ray_address, *flags, "--steps", "2")
     before = [json.loads(line) for line in log.read_text().splitlines()]
     stdout = _train(out, ray_address, "--resume", "--steps", "3")
@@ -210,8 +211,8 @@ def test_molt_eval_gives_a_checkpoint_and_its_molt_serve_endpoint_the_same_greed
     checkpoint = out / "checkpoints" / "step_000003"
     env = tmp_path / "fingerprint.py"
     env.write_text(FINGERPRINT)
-    common = ["--env", f"{env}:Fingerprint", "--episodes", "12", "--temperature", "0", "--max-tokens", "8",
-              "--pass-threshold", "0.5"]
+    common = ["--env", f"{env}:Fingerprint", "--eval.episodes", "12", "--eval.temperature", "0",
+              "--rollout.max_tokens", "8", "--eval.pass_threshold", "0.5"]
     local = _eval("--model", str(checkpoint), *common, "--out", str(tmp_path / "local.json"))
     assert re.search(r"molt-eval: .*12 episodes x 1 at temperature 0.0: reward \d\.\d{3}", local.stdout)
     assert "molt-eval" in local.stderr and "12/12" in local.stderr  # the progress bar
@@ -245,6 +246,22 @@ def test_molt_eval_gives_a_checkpoint_and_its_molt_serve_endpoint_the_same_greed
     assert local["summary"]["version"] == 0 and "version" not in served["summary"]
 
 
+def test_molt_eval_of_a_run_scores_it_as_it_trained_unless_told_otherwise(evaluated_run, tmp_path):
+    """Given the run directory alone, molt-eval takes the run's environment, reply length and evaluation
+    episodes from its config.yaml; a flag given overrides one. The report holds each play's text."""
+    out, *_ = evaluated_run
+    _eval("--model", str(out), "--out", str(tmp_path / "run.json"))
+    report = json.loads((tmp_path / "run.json").read_text())
+    assert report["model"] == str(out / "checkpoints" / "step_000003" / "policy")
+    assert report["env"].endswith("recorder.py:Recorder") and report["rollout"]["max_tokens"] == 12
+    assert len(report["plays"]) == 8 and all("<|im_start|>assistant" in p["text"] for p in report["plays"])
+    _eval("--model", str(out / "checkpoints" / "step_000002"), "--rollout.max_tokens", "3", "--eval.episodes", "2",
+          "--out", str(tmp_path / "short.json"))
+    report = json.loads((tmp_path / "short.json").read_text())
+    assert report["env"].endswith("recorder.py:Recorder") and report["rollout"]["max_tokens"] == 3
+    assert len(report["plays"]) == 2 and all(0 < p["completion_tokens"] <= 3 for p in report["plays"])
+
+
 def test_molt_eval_bad_input_is_one_line_naming_it(tmp_path):
     (tmp_path / "step_000001").mkdir()
     (tmp_path / "step_000001" / "loop_state.json").write_text("{}")
@@ -252,10 +269,12 @@ def test_molt_eval_bad_input_is_one_line_naming_it(tmp_path):
         (["--model", "tiny:chat", "--env", "no_such_env"], "molt-eval: --env no_such_env: unknown environment"),
         (["--model", str(tmp_path / "step_000001")], f"molt-eval: --model {tmp_path / 'step_000001'}: the checkpoint "
                                                       "has no policy"),
-        (["--model", "m", "--base-url", "http://127.0.0.1:9/v1"], "molt-eval: --base-url http://127.0.0.1:9/v1: "
+        (["--model", "m", "--base-url", "http://127.0.0.1:9/v1"], "molt-eval: --base_url http://127.0.0.1:9/v1: "
                                                                    "unreachable"),
-        (["--model", "tiny:chat", "--samples", "0"], "molt-eval: --samples: must be >= 1"),
-        (["--model", "tiny:chat", "--samples", "4"], "molt-eval: --samples: 4 greedy samples are all the same"),
+        (["--model", "tiny:chat", "--eval.samples", "0"], "molt-eval: --eval.samples: must be >= 1"),
+        (["--model", "tiny:chat", "--eval.samples", "4"],
+         "molt-eval: --eval.samples: 4 greedy samples are all the same"),
+        (["--model", "/no/such/model"], "molt-eval: --model /no/such/model: not a Hugging Face model directory"),
     ]
     for flags, message in cases:
         result = _eval(*flags, expect=1, timeout=60)

@@ -130,7 +130,7 @@ def test_a_rank_group_loads_the_checkpoint_once_into_the_weights_of_a_single_pro
     the reference model, exactly the fp32 weights and the buffers (rotary frequencies, which no checkpoint
     holds) of the model loaded in one process. A bf16 checkpoint travels in bf16 and is cast into the fp32
     shards; the MoE is AutoModel's own class, filled through its state-dict adapter (grouped experts)."""
-    from molt_agents.engines.hf_engine import load_model
+    from molt_agents.hf_model import load_model
     from molt_agents.tiny import tiny_model
     from molt_train.actor import automodel, fsdp
 

@@ -23,7 +23,8 @@ import environments  # noqa: F401
 import molt_env
 from molt_agents.agent import run_agent
 from molt_agents.engines import SamplingParams
-from molt_agents.engines.hf_engine import HFEngine, load_model
+from molt_agents.engines.hf_engine import HFEngine
+from molt_agents.hf_model import load_model
 from molt_agents.loopback import Loopback
 from molt_agents.multimodal import Vision, image_axis
 from molt_agents.runner import run_episode

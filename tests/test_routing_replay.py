@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from molt_agents.chat_template import render_prompt_ids
 from molt_agents.engines import SamplingParams
-from molt_agents.engines.hf_engine import HFEngine, router_modules
+from molt_agents.engines.hf_engine import HFEngine
+from molt_agents.hf_model import router_modules
 from molt_train.actor.policy import token_logprobs
 from molt_train.actor import automodel
 from molt_train.actor.routing_replay import RoutingReplay, agreement, freeze_routers, moe_routers, replayed_gates

@@ -7,6 +7,7 @@ import sys
 
 import httpx
 import openai
+import pytest
 
 
 def test_molt_serve_captures_sessions_to_a_file(tmp_path):
@@ -38,3 +39,13 @@ def test_molt_serve_captures_sessions_to_a_file(tmp_path):
         assert {"token_ids", "mask", "logprobs", "versions", "finish_reason"} <= set(record)
         assert all((lp is not None) == bool(m) for m, lp in zip(record["mask"], record["logprobs"]))
     assert sum(sum(r["mask"]) for r in records) == reply.usage.completion_tokens
+
+
+@pytest.mark.parametrize("model,needle", [("/no/such/model", "not a Hugging Face model directory (no such directory)"),
+                                          ("tiny:big", "no tiny model 'big'; choose tiny:dense")])
+def test_molt_serve_with_a_model_it_cannot_load_says_so_in_one_line(model, needle):
+    result = subprocess.run([sys.executable, "-m", "molt_agents.serve", "--model", model], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2 and result.stdout == "", result.stderr[-2000:]
+    (line,) = result.stderr.strip().splitlines()  # one line, no traceback
+    assert line.startswith(f"molt-serve: --model {model}: {needle}"), line

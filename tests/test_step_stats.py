@@ -16,7 +16,7 @@ import torch
 
 from molt_env.trajectory import Trajectory
 from molt_train.actor.policy import StepStats
-from molt_train.batch import assemble
+from molt_train.batch import Group, assemble
 from molt_train.config import AlgoConfig, Config
 from molt_train.loop import _train_stats
 
@@ -66,8 +66,7 @@ def _trajectory(ids, prompt, versions, logprobs, rollout="r0", group="g0", rewar
 
 
 def _groups(trajectories, failures=()):
-    return [{"group_index": 0, "trajectories": list(trajectories), "failures": list(failures),
-             "seconds": 0.0}]
+    return [Group(0, list(trajectories), list(failures))]
 
 
 def test_assemble_gives_each_trained_token_its_age():

@@ -79,6 +79,30 @@ def _slow_digit(tmp_path, seconds: float) -> str:
     return f"{env}:Slow"
 
 
+def _whole_then_cut(tmp_path, ray_address, started, seconds: float, *flags):
+    """A synchronous run of 5 steps of the slowed digit task, whole; then the same run started again and at
+    its step 2: (the whole run's metrics, the second run's directory, its process)."""
+    flags = ["--env", _slow_digit(tmp_path, seconds), "--steps", "5", "--train.async_queue_size", "0", *flags]
+    _train(tmp_path / "whole", ray_address, *flags)
+    out = tmp_path / "cut"
+    process = _start(out, ray_address, *flags, started=started)
+    _wait_for(process, lambda: len(_metrics(out)) >= 2, "step 2")
+    return _metrics(tmp_path / "whole"), out, process
+
+
+def _resume_equals(out, ray_address, whole, since: int) -> None:
+    """Resume the run in `out`: it logs steps 1-5 once each, and from step `since` + 1 on each step equals
+    the whole run's (the same data and rewards; the same losses within float noise)."""
+    _train(out, ray_address, "--resume")
+    resumed = _metrics(out)
+    assert [r["step"] for r in resumed] == list(range(1, 6))  # no step lost, none logged twice
+    for a, b in zip(whole[since:], resumed[since:]):
+        for key in ["data/groups", "reward/mean", "tokens/trained", "response_len/mean", "version"]:
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+        for key in ["loss", "kl", "grad_norm", "mismatch/kl"]:
+            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (a["step"], key, a[key], b[key])
+
+
 def test_a_killed_run_resumes_with_its_own_config(tmp_path, ray_address, started):
     out = tmp_path / "run"
     # Episodes of 0.3 s: the run is still going when it is killed after step 3 (the plain task's 8 steps
@@ -118,14 +142,7 @@ def test_a_run_that_loses_a_worker_then_its_trainer_resumes_into_the_uninterrupt
     The resumed run loses no step and, step by step, equals the same run never interrupted."""
     # The digit task, its episodes taking a second, so the worker is playing the next step's groups when it
     # is killed.
-    flags = ["--env", _slow_digit(tmp_path, 1.0), "--seed", "1", "--steps", "5", "--ckpt.every", "2",
-             "--train.async_queue_size", "0"]
-    _train(tmp_path / "whole", ray_address, *flags)
-    whole = _metrics(tmp_path / "whole")
-
-    out = tmp_path / "cut"
-    process = _start(out, ray_address, *flags, started=started)
-    _wait_for(process, lambda: len(_metrics(out)) >= 2, "step 2")
+    whole, out, process = _whole_then_cut(tmp_path, ray_address, started, 1.0, "--seed", "1", "--ckpt.every", "2")
     os.kill(_actor("RolloutWorker")["Pid"], signal.SIGKILL)
     _wait_for(process, lambda: len(_metrics(out)) >= 3, "step 3")
     os.kill(_actor("PolicyRank")["Pid"], signal.SIGKILL)
@@ -146,14 +163,7 @@ def test_a_run_that_loses_a_worker_then_its_trainer_resumes_into_the_uninterrupt
     checkpoint = max(int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*"))
     assert checkpoint < 3  # step 3 was logged but not saved: the resume must redo it
 
-    _train(out, ray_address, "--resume")
-    resumed = _metrics(out)
-    assert [r["step"] for r in resumed] == list(range(1, 6))  # no step lost, none logged twice
-    for a, b in zip(whole[checkpoint:], resumed[checkpoint:]):  # the steps after the resume
-        for key in ["data/groups", "reward/mean", "tokens/trained", "response_len/mean", "version"]:
-            assert a[key] == b[key], (a["step"], key, a[key], b[key])
-        for key in ["loss", "kl", "grad_norm", "mismatch/kl"]:
-            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (a["step"], key, a[key], b[key])
+    _resume_equals(out, ray_address, whole, checkpoint)  # the steps after the resume
 
 
 def test_an_actor_that_fails_to_start_is_one_line_naming_it(tmp_path, ray_address):
@@ -234,14 +244,7 @@ def test_sigterm_saves_the_last_finished_step_and_the_resumed_run_equals_the_uni
     """A scheduler's preemption: SIGTERM to the driver mid-run. The run saves its last finished step (no
     checkpoint is due before the end) and exits 143 at once; the resume redoes nothing and, step by step,
     equals the run never interrupted (synchronous mode: each step's rollouts come from the step before)."""
-    flags = ["--env", _slow_digit(tmp_path, 0.5), "--seed", "4", "--steps", "5", "--ckpt.every", "0",
-             "--train.async_queue_size", "0"]
-    _train(tmp_path / "whole", ray_address, *flags)
-    whole = _metrics(tmp_path / "whole")
-
-    out = tmp_path / "cut"
-    process = _start(out, ray_address, *flags, started=started)
-    _wait_for(process, lambda: len(_metrics(out)) >= 2, "step 2")
+    whole, out, process = _whole_then_cut(tmp_path, ray_address, started, 0.5, "--seed", "4", "--ckpt.every", "0")
     signalled = time.time()
     process.send_signal(signal.SIGTERM)
     stdout, _ = process.communicate(timeout=60)
@@ -251,11 +254,4 @@ def test_sigterm_saves_the_last_finished_step_and_the_resumed_run_equals_the_uni
     assert saved.name == f"step_{len(cut):06d}" and 2 <= len(cut) < 5  # the last finished step, mid-run
     assert f"molt-train: stopped by SIGTERM after step {len(cut)}; checkpoint {saved}" in stdout
 
-    _train(out, ray_address, "--resume")
-    resumed = _metrics(out)
-    assert [r["step"] for r in resumed] == list(range(1, 6))  # nothing redone, nothing lost
-    for a, b in zip(whole, resumed):
-        for key in ["data/groups", "reward/mean", "tokens/trained", "response_len/mean", "version"]:
-            assert a[key] == b[key], (a["step"], key, a[key], b[key])
-        for key in ["loss", "kl", "grad_norm", "mismatch/kl"]:
-            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (a["step"], key, a[key], b[key])
+    _resume_equals(out, ray_address, whole, 0)

@@ -23,6 +23,7 @@ import torch
 
 from molt_agents.engines.base import SamplingParams
 from molt_agents.engines.stepped import Progress, SteppedEngine
+from molt_agents.hf_model import as_model_input, load_model, router_modules
 from molt_agents.multimodal import join_images
 
 
@@ -52,23 +53,6 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     return token, float(logprobs[token]), top
 
 
-def model_class(model_dir: str | Path):
-    """transformers' auto class for the checkpoint in `model_dir`: image-text-to-text when its config has a
-    vision tower, else causal LM."""
-    import json
-
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    path = Path(model_dir) / "config.json"
-    config = json.loads(path.read_text()) if path.exists() else {}
-    return AutoModelForImageTextToText if "vision_config" in config else AutoModelForCausalLM
-
-
-def load_model(model_dir: str | Path, dtype):
-    """A Hugging Face causal LM, or an image-text-to-text model when the config has a vision tower."""
-    return model_class(model_dir).from_pretrained(str(model_dir), dtype=dtype)
-
-
 def checkpoint_layout(model) -> dict[str, tuple[str, torch.Tensor]]:
     """For every checkpoint tensor that the loaded model stores otherwise (transformers fuses the experts
     of a layer, for one): the model tensor holding it and where, as flat indices shaped like the checkpoint
@@ -92,17 +76,6 @@ def checkpoint_layout(model) -> dict[str, tuple[str, torch.Tensor]]:
             raise ValueError(f"checkpoint tensor {name!r} spans several tensors of {type(model).__name__}")
         layout[name] = (target, index - offset)
     return layout
-
-
-def as_model_input(tensor: torch.Tensor, model) -> torch.Tensor:
-    """An input tensor on the model's device, floats in its dtype."""
-    dtype = model.dtype if tensor.is_floating_point() else tensor.dtype
-    return tensor.to(device=model.device, dtype=dtype)
-
-
-def router_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The top-k routers of a mixture-of-experts model, in layer order (empty for dense models)."""
-    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
 
 
 @dataclass

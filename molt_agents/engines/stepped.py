@@ -15,9 +15,9 @@ Where the steps run (`stepping`):
   CPU the step's compute and the loop's Python share the cores and the
   GIL: a step on a thread gives the GIL back at each of its hundreds of
   small ops and waits up to the switch interval to get it back while the
-  loop runs Python (a benchmark step's rollouts: median 230 ms on a
-  thread, 199 ms on the loop; bench/README.md). Taking turns instead, the loop runs what the last
-  step woke (the next requests join the next step), then the step runs.
+  loop runs Python (bench/README.md compares the two). Taking turns
+  instead, the loop runs what the last step woke (the next requests join
+  the next step), then the step runs.
   The stepper lives on the loop that first asks something of the engine
   and moves to a new one when that loop ends; requests from other threads'
   loops still work (they wake it and get their results thread-safely), but

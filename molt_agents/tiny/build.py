@@ -219,6 +219,22 @@ def tiny_model(kind: str = "dense", **sizes) -> Path:
     return target
 
 
+def model_dir(model: str | None, default: str = "chat") -> Path:
+    """The directory a `--model` names: `tiny:KIND` (built on first use; None: `tiny:<default>`) or a Hugging
+    Face model directory; a ValueError saying what is wrong with anything else."""
+    if model is None or model.startswith("tiny:"):
+        kind = default if model is None else model.split(":", 1)[1]
+        if kind not in KINDS:
+            raise ValueError(f"--model {model}: no tiny model {kind!r}; choose tiny:" + ", tiny:".join(KINDS))
+        return tiny_model(kind)
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        what = "no such directory" if not path.exists() else f"no config.json in {path}"
+        raise ValueError(f"--model {model}: not a Hugging Face model directory ({what}); Molt reads models from "
+                         "disk only: pass a directory, or tiny:" + ", tiny:".join(KINDS))
+    return path
+
+
 @contextlib.contextmanager
 def _single_thread():
     import torch

@@ -141,7 +141,7 @@ def build_model(model_dir: str | Path, dtype: torch.dtype) -> nn.Module:
     as its constructor makes them (on the meta device within `parameters_on_meta`); no weight is read."""
     from transformers import AutoConfig, GenerationConfig
 
-    from molt_agents.engines.hf_engine import model_class
+    from molt_agents.hf_model import model_class
 
     model = model_class(model_dir).from_config(AutoConfig.from_pretrained(str(model_dir)), dtype=dtype)
     if (Path(model_dir) / "generation_config.json").exists():  # as `from_pretrained` takes it (checkpoints save it)

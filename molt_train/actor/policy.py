@@ -25,19 +25,28 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-from molt_agents.engines.hf_engine import as_model_input, load_model
+from molt_agents.hf_model import as_model_input, load_model
 from molt_train.actor import automodel, fsdp
 from molt_train.actor.host_adamw import HostAdamW
 from molt_train.actor.routing_replay import RoutingReplay, freeze_routers, moe_routers
-from molt_train.algorithms.advantages import kl_penalized_advantages
-from molt_train.algorithms.losses import entropy_from_logits, gspo_loss, kl, ppo_clip_loss
-from molt_train.algorithms.off_policy import importance_weights, mismatch
+from molt_train.algorithms.losses import entropy_from_logits
+from molt_train.algorithms.objective import objective
+from molt_train.algorithms.off_policy import mismatch
 from molt_train.config import ActorConfig, AlgoConfig, TrainConfig
 from molt_train.packing import MicroBatch
 from molt_train.weight_sync import Channel, free_endpoint, plan_buckets, sync_dtype, sync_metas, tensor_meta
+
+
+class Prepared(NamedTuple):
+    """A micro-batch's token logprobs under the weights before the step, and under the reference model
+    (None without a KL term)."""
+
+    old: torch.Tensor
+    ref: torch.Tensor | None
 
 
 def _reduced(how: str, default=0):
@@ -352,7 +361,7 @@ class PolicyRank:
                        seconds_logprobs=recomputed, seconds_step=time.perf_counter() - started)
 
     @torch.no_grad()
-    def logprobs(self, micro_batches: list[MicroBatch]) -> list[dict]:
+    def logprobs(self, micro_batches: list[MicroBatch]) -> list[Prepared]:
         """Per micro-batch: the current policy's and the reference's token logprobs."""
         self.model.eval()
         out = []
@@ -361,7 +370,7 @@ class PolicyRank:
             with self._passes(mb, shard, measure=True):
                 current, _ = token_logprobs(self.model, mb, chunk_tokens=self.chunk_tokens, shard=shard,
                                             vocab_parallel=self.vocab_parallel)
-            out.append({"old": current, "ref": self._reference_logprobs(mb, shard)})
+            out.append(Prepared(current, self._reference_logprobs(mb, shard)))
         return out
 
     @torch.no_grad()
@@ -372,7 +381,7 @@ class PolicyRank:
             return token_logprobs(self.reference, mb, chunk_tokens=self.chunk_tokens, shard=shard,
                                   vocab_parallel=self.vocab_parallel)[0]
 
-    def train(self, micro_batches: list[MicroBatch], prepared: list[dict] | None, step_tokens: int,
+    def train(self, micro_batches: list[MicroBatch], prepared: list[Prepared] | None, step_tokens: int,
               updates: int = 1) -> tuple[StepStats, list[torch.Tensor]]:
         """`updates` optimizer steps over the micro-batches (split evenly), from the `prepared` logprobs, or
         (one update) the training forward's own; the statistics, and the old logprobs of each micro-batch."""
@@ -381,7 +390,7 @@ class PolicyRank:
         stats = StepStats(tokens=int(sum(mb.mask.sum() for mb in micro_batches)),
                           entropy_sum=0.0 if algo.entropy_coef > 0 else None,
                           kl_sum=0.0 if self.reference is not None else None)
-        olds = [p["old"] for p in prepared] if prepared is not None else []
+        olds = [p.old for p in prepared] if prepared is not None else []
         # Token-level aggregation over the optimizer step; FSDP averages over the data- and context-parallel
         # ranks, so scale back up (tensor-parallel ranks hold the same micro-batches; context-parallel ones
         # each compute the whole loss and send back their piece's gradient, see `automodel.gather_sequence`).
@@ -394,36 +403,21 @@ class PolicyRank:
                     logprobs, entropy = token_logprobs(self.model, mb, algo.entropy_coef > 0, self.chunk_tokens,
                                                        shard, self.vocab_parallel)
                 if prepared is None:
-                    p = {"old": logprobs.detach(), "ref": self._reference_logprobs(mb, shard)}
-                    olds.append(p["old"])
+                    p = Prepared(logprobs.detach(), self._reference_logprobs(mb, shard))
+                    olds.append(p.old)
                 else:
                     p = prepared[index]
-                weights, keep = importance_weights(p["old"], mb.engine_logprobs, mb.mask, mb.sequence,
-                                                   algo.is_level, algo.is_mode, algo.is_low, algo.is_high)
-                mask = mb.mask * keep
-                advantages = mb.advantages
-                if algo.kl_in_reward and p["ref"] is not None:
-                    advantages = kl_penalized_advantages(advantages, kl(p["old"], p["ref"], algo.kl_estimator),
-                                                         mask, mb.sequence, algo.kl_coef)
-                if algo.estimator == "gspo":
-                    loss, clipped = gspo_loss(logprobs, p["old"], advantages, mask, mb.sequence,
-                                              algo.clip_low, algo.clip_high, weights)
-                else:
-                    loss, clipped = ppo_clip_loss(logprobs, p["old"], advantages, mask,
-                                                  algo.clip_low, algo.clip_high, algo.dual_clip, weights)
-                if p["ref"] is not None:
-                    kl_per_token = kl(logprobs, p["ref"], algo.kl_estimator)
-                    if not algo.kl_in_reward:
-                        loss = loss + algo.kl_coef * (kl_per_token * mask).sum()
-                    stats.kl_sum += float((kl_per_token.detach() * mb.mask).sum())
-                if entropy is not None:
-                    loss = loss - algo.entropy_coef * (entropy * mask).sum()
-                    stats.entropy_sum += float((entropy.detach() * mb.mask).sum())
+                terms = objective(algo, logprobs, p.old, p.ref, mb.engine_logprobs, mb.advantages, mb.mask,
+                                  mb.sequence, entropy)
                 with self._passes(mb, shard):
-                    (loss * scale).backward()
-                stats.loss_sum += float(loss.detach())
-                stats.clipped_tokens += float(clipped) * float(mask.sum())
-                stats.kept_tokens += int(mask.sum())
+                    (terms.loss * scale).backward()
+                stats.loss_sum += float(terms.loss.detach())
+                stats.clipped_tokens += terms.clipped_frac * terms.kept_tokens
+                stats.kept_tokens += terms.kept_tokens
+                if terms.kl_sum is not None:
+                    stats.kl_sum += terms.kl_sum
+                if terms.entropy_sum is not None:
+                    stats.entropy_sum += terms.entropy_sum
             stepping = time.perf_counter()
             norm = (automodel.clip_gradients(self.model, self.mesh, self.train_config.grad_clip) if self.mesh
                     else torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_config.grad_clip))

@@ -28,7 +28,7 @@ from contextlib import contextmanager
 
 import torch
 
-from molt_agents.engines.hf_engine import router_modules
+from molt_agents.hf_model import router_modules
 
 __all__ = ["RoutingReplay", "agreement", "automodel_gates", "freeze_routers", "moe_routers", "replayed_gates",
            "router_modules"]

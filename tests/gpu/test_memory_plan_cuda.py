@@ -3,7 +3,7 @@
 On CPU (tests/test_plan.py) the estimate is checked against the CPU
 allocator's own accounting; the GPU kernels (SDPA's attention on CUDA, the
 foreach AdamW, NCCL's buffers) hold what the CPU ones do not, which the
-estimate assumes (README, "Plan a run first"). Here the real `PolicyRank`
+estimate assumes (docs/scaling.md, "Dry run"). Here the real `PolicyRank`
 steps twice on the tiny dense model and the second step's
 `torch.cuda.max_memory_allocated` is compared with the estimate of the same
 flags; the numbers go into the report, and the bound is wider than on CPU

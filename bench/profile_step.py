@@ -56,10 +56,9 @@ def molt_step(model_dir: str, items, steps: int, micro_batch_tokens: int, profil
 
     config = Config()
     config.train.lr, config.train.lr_schedule, config.algo.kl_coef = workload.LR, "constant", 0.0
-    config.train.micro_batch_tokens = micro_batch_tokens
+    config.train.micro_batch_tokens, config.steps = micro_batch_tokens, steps
     host, port = free_endpoint()
-    rank = PolicyRank(model_dir, model_dir, 0, 1, f"tcp://{host}:{port}", config.train, config.algo, config.actor,
-                      steps, 0, "float32")
+    rank = PolicyRank(model_dir, model_dir, 0, 1, f"tcp://{host}:{port}", config)
     times: dict[str, list[float]] = {}
 
     def timed(name, fn, *args):

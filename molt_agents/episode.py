@@ -29,8 +29,8 @@ from molt_env.trajectory import Trajectory
 @dataclass
 class Episode:
     """A played episode: its captured segments (none from an endpoint), reward, turns and tokens (None where
-    the player cannot tell), the weight versions that sampled it, its text (the last context), or why it
-    failed."""
+    the player cannot tell), the weight versions that sampled it, its text (an endpoint's conversation; for
+    captured segments, evaluation decodes the last one), or why it failed."""
 
     trajectories: list[Trajectory] = field(default_factory=list)
     reward: float = 0.0
@@ -42,7 +42,7 @@ class Episode:
     failure: str | None = None
 
     @classmethod
-    def captured(cls, trajectories: list[Trajectory], tokenizer) -> Episode:
+    def captured(cls, trajectories: list[Trajectory]) -> Episode:
         """The episode of an engine-backed player: its numbers read off its segments."""
         if not trajectories:  # the policy sampled nothing (e.g. the prompt filled the context)
             return cls(failure="no tokens sampled")
@@ -52,8 +52,7 @@ class Episode:
             turns = sum(m and not (i and mask[i - 1]) for mask in masks for i, m in enumerate(mask))
         return cls(trajectories, float(trajectories[0].reward), int(turns), sum(map(sum, masks)),
                    sum(len(t.token_ids) for t in trajectories),
-                   sorted({v for t in trajectories for v, m in zip(t.versions, t.mask) if m}),
-                   tokenizer.decode(trajectories[-1].token_ids))
+                   sorted({v for t in trajectories for v, m in zip(t.versions, t.mask) if m}))
 
 
 class EnginePlayer:
@@ -67,7 +66,7 @@ class EnginePlayer:
 
         return Episode.captured(await run_episode(
             env, self.engine, self.tokenizer, params, max_total_tokens=self.max_total_tokens, seed=seed,
-            options=options, rollout_id=rollout_id, group_id=group_id, vision=self.vision), self.tokenizer)
+            options=options, rollout_id=rollout_id, group_id=group_id, vision=self.vision))
 
 
 class LoopbackAgent:
@@ -84,8 +83,7 @@ class LoopbackAgent:
         observation, info = await env.areset(seed=seed, options=options)
         return Episode.captured(await run_agent(
             self.agent, self.loopback, messages=as_messages(observation), tools=getattr(env, "tools", None),
-            sampling=request_defaults(params), task=info, rollout_id=rollout_id, group_id=group_id, env=env),
-            self.loopback.tokenizer)
+            sampling=request_defaults(params), task=info, rollout_id=rollout_id, group_id=group_id, env=env))
 
     async def _serve(self) -> None:
         if self.serving is None:  # serve on this event loop, once

@@ -104,7 +104,10 @@ class RolloutWorker:
 
         async def play(episode: int, sample: int) -> dict:
             seed = eval_seed(episode)
-            record = episode_record(episode, seed, sample, await self._episode(episode, seed, sample, EVAL, sampling))
+            played = await self._episode(episode, seed, sample, EVAL, sampling)
+            if played.trajectories:  # the play's text: its last context
+                played.text = self.tokenizer.decode(played.trajectories[-1].token_ids)
+            record = episode_record(episode, seed, sample, played)
             if on_episode is not None:
                 on_episode(record)
             return record

@@ -50,8 +50,7 @@ class TrainerGroup:
         self.rows = config.actor.backend == "fsdp2"
         actor = ray.remote(PolicyRank)
         self.ranks = [actor.options(**placement.trainer_rank(rank).options()).remote(
-                          model_dir, start_dir, rank, self.world_size, f"tcp://{rendezvous}", config.train,
-                          config.algo, config.actor, config.steps, config.seed, config.engine.dtype)
+                          model_dir, start_dir, rank, self.world_size, f"tcp://{rendezvous}", config)
                       for rank in range(self.world_size)]
 
     async def step(self, items: list[TrainItem]) -> StepStats:

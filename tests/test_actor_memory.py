@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from molt_train.actor.policy import PolicyRank
-from molt_train.config import ActorConfig, AlgoConfig, TrainConfig
+from molt_train.config import ActorConfig, AlgoConfig, Config, TrainConfig
 from molt_train.packing import TrainItem, pack
 
 LR = 1e-3
@@ -56,8 +56,9 @@ def _rank(model_dir, entropy_coef: float = 0.0, train: TrainConfig | None = None
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     train = train or TrainConfig(lr=LR, lr_schedule="constant", grad_clip=1e9)
-    return PolicyRank(str(model_dir), str(start_dir or model_dir), 0, 1, f"tcp://127.0.0.1:{port}", train,
-                      AlgoConfig(kl_coef=0.0, entropy_coef=entropy_coef), ActorConfig(**actor), steps=1)
+    return PolicyRank(str(model_dir), str(start_dir or model_dir), 0, 1, f"tcp://127.0.0.1:{port}",
+                      Config(train=train, algo=AlgoConfig(kl_coef=0.0, entropy_coef=entropy_coef),
+                             actor=ActorConfig(**actor), steps=1))
 
 
 def _batch_for(rank: PolicyRank):

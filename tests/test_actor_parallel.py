@@ -56,8 +56,8 @@ def _step(rank: int, world_size: int, model_dir: str, actor: ActorConfig, init_m
     """One `PolicyRank.step` on this rank's deal of the micro-batches; writes its stats (and on rank 0 the
     weights after the step)."""
     policy = PolicyRank(model_dir, model_dir, rank, world_size, init_method,
-                        TrainConfig(lr=LR, lr_schedule="constant", grad_clip=1e9),
-                        AlgoConfig(kl_coef=0.0), actor, steps=1)
+                        Config(train=TrainConfig(lr=LR, lr_schedule="constant", grad_clip=1e9),
+                               algo=AlgoConfig(kl_coef=0.0), actor=actor, steps=1))
     try:
         micro_batches = _micro_batches(policy.model.config.vocab_size)
         step_tokens = int(sum(mb.mask.sum() for mb in micro_batches))

@@ -105,11 +105,12 @@ def _rank_load(rank: int, model_dirs: list[str], backend: str, init_method: str,
     models hold on this rank: full weights, buffers, parameter dtypes."""
     from molt_train.actor import fsdp
     from molt_train.actor.policy import PolicyRank
-    from molt_train.config import ActorConfig, AlgoConfig, TrainConfig
+    from molt_train.config import ActorConfig, AlgoConfig, Config
 
     torch.set_num_threads(1)
-    policy = PolicyRank(model_dirs[rank], model_dirs[rank], rank, WORLD, init_method, TrainConfig(),
-                        AlgoConfig(kl_coef=0.1), ActorConfig(backend=backend, world_size=WORLD), steps=1)
+    policy = PolicyRank(model_dirs[rank], model_dirs[rank], rank, WORLD, init_method,
+                        Config(algo=AlgoConfig(kl_coef=0.1), actor=ActorConfig(backend=backend, world_size=WORLD),
+                               steps=1))
     try:
         held = {name: {"weights": {k: v.detach().clone() for k, v in fsdp.full_state_dict(model).items()},
                        "buffers": {k: b.detach().clone() for k, b in model.named_buffers()},

@@ -179,7 +179,8 @@ def _measured_rank(rank, world, model_dir, actor, algo, train, port, out):
     from molt_train.actor.policy import PolicyRank
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
-        policy = PolicyRank(model_dir, model_dir, rank, world, f"tcp://127.0.0.1:{port}", train, algo, actor, steps=2)
+        policy = PolicyRank(model_dir, model_dir, rank, world, f"tcp://127.0.0.1:{port}",
+                            Config(train=train, algo=algo, actor=actor, steps=2))
         vocab = policy.model.config.get_text_config().vocab_size
         one_row = actor.backend == "automodel" or hasattr(policy.model.config, "vision_config")
         batches = _micro_batches(vocab, train.micro_batch_tokens, 2 * actor.data_parallel, width=MAX_TOTAL_TOKENS,

@@ -100,13 +100,14 @@ def _synced_weights(_index, model_dir: str, backend: str, out: str):
     from torch.distributed.tensor import DTensor
 
     from molt_train.actor.policy import PolicyRank
-    from molt_train.config import ActorConfig, AlgoConfig, TrainConfig
+    from molt_train.config import ActorConfig, AlgoConfig, Config, EngineConfig
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    rank = PolicyRank(model_dir, model_dir, 0, 1, f"tcp://127.0.0.1:{port}", TrainConfig(), AlgoConfig(kl_coef=0.0),
-                      ActorConfig(backend=backend), steps=1, engine_dtype="bfloat16")
+    rank = PolicyRank(model_dir, model_dir, 0, 1, f"tcp://127.0.0.1:{port}",
+                      Config(algo=AlgoConfig(kl_coef=0.0), actor=ActorConfig(backend=backend), steps=1,
+                             engine=EngineConfig(dtype="bfloat16")))
     try:
         generator = torch.Generator().manual_seed(0)
         with torch.no_grad():

@@ -36,7 +36,7 @@ from molt_train.actor.routing_replay import RoutingReplay, freeze_routers, moe_r
 from molt_train.algorithms.losses import entropy_from_logits
 from molt_train.algorithms.objective import objective
 from molt_train.algorithms.off_policy import mismatch
-from molt_train.config import ActorConfig, AlgoConfig, TrainConfig
+from molt_train.config import ActorConfig, Config
 from molt_train.packing import MicroBatch
 from molt_train.weight_sync import Channel, free_endpoint, plan_buckets, sync_dtype, sync_metas, tensor_meta
 
@@ -234,14 +234,15 @@ def _per_token_head(model, targets: torch.Tensor, selected: torch.Tensor | None,
 
 class PolicyRank:
     def __init__(self, model_dir: str, start_dir: str, rank: int, world_size: int, init_method: str,
-                 train: TrainConfig, algo: AlgoConfig, actor: ActorConfig, steps: int, seed: int = 0,
-                 engine_dtype: str = "float32"):
-        """The policy starts from the weights in `start_dir` (the run's model, or a checkpoint's policy when
-        resuming); the reference model of the KL penalty is always the run's model in `model_dir`. The weight
-        sync sends floating-point weights in `engine_dtype`, the engines' (`--engine.dtype`)."""
-        torch.manual_seed(seed)
+                 config: Config):
+        """Rank `rank` of `world_size` (meeting at `init_method`) of the run `config` (its `train`, `algo`,
+        `actor`, `steps`, `seed` and `engine.dtype`). The policy starts from the weights in `start_dir` (the
+        run's model, or a checkpoint's policy when resuming); the reference model of the KL penalty is always
+        the run's model in `model_dir`. The weight sync sends floating-point weights in the engines' dtype."""
+        train, algo, actor = config.train, config.algo, config.actor
+        torch.manual_seed(config.seed)
         self.rank, self.world_size, self.data_parallel = rank, world_size, actor.data_parallel
-        self.engine_dtype = getattr(torch, engine_dtype)
+        self.engine_dtype = getattr(torch, config.engine.dtype)
         self.context_parallel = actor.context_parallel
         self.vocab_parallel = actor.tensor_parallel > 1  # the output head is sharded on the vocabulary
         self.train_config, self.algo = train, algo
@@ -271,7 +272,7 @@ class PolicyRank:
                           if actor.offload == "optimizer" else
                           torch.optim.AdamW(trainable, lr=train.lr, weight_decay=train.weight_decay, foreach=True))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(
-            lr_factor, warmup_steps=train.warmup_steps, total_steps=steps * train.updates_per_batch,
+            lr_factor, warmup_steps=train.warmup_steps, total_steps=config.steps * train.updates_per_batch,
             schedule=train.lr_schedule, min_ratio=train.min_lr_ratio))
 
     def describe(self) -> str:

@@ -35,12 +35,11 @@ def test_the_trainer_estimate_matches_the_cuda_peak(actor, dense_dir, record_pro
     from molt_train.plan.shape import shape
 
     config = Config(actor=ActorConfig(**actor), algo=AlgoConfig(kl_coef=0.1),
-                    train=TrainConfig(micro_batch_tokens=2048), rollout=RolloutConfig(max_total_tokens=512))
+                    train=TrainConfig(micro_batch_tokens=2048), rollout=RolloutConfig(max_total_tokens=512), steps=2)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    policy = PolicyRank(str(dense_dir), str(dense_dir), 0, 1, f"tcp://127.0.0.1:{port}", config.train, config.algo,
-                        config.actor, steps=2)
+    policy = PolicyRank(str(dense_dir), str(dense_dir), 0, 1, f"tcp://127.0.0.1:{port}", config)
     try:
         generator, items = np.random.default_rng(0), []
         for _ in range(2 * 2048 // 128):

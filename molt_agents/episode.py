@@ -100,11 +100,12 @@ class LoopbackAgent:
 
 class EndpointPlayer:
     """`model` behind the OpenAI-compatible `base_url` (`<session>` in it becomes each episode's rollout id):
-    the env runner's loop in messages, or `agent` given that URL."""
+    the env runner's loop in messages, or `agent` given that URL. The loop's plays share one `openai` client
+    (a client per play costs its SSL context), each on its own URL."""
 
     def __init__(self, base_url: str, api_key: str, model: str, max_total_tokens: int, agent=None):
         self.base_url, self.api_key, self.model = base_url, api_key, model
-        self.max_total_tokens, self.agent = max_total_tokens, agent
+        self.max_total_tokens, self.agent, self.client = max_total_tokens, agent, None
 
     async def __call__(self, env, params: SamplingParams, *, seed, options, rollout_id, group_id) -> Episode:
         import openai
@@ -122,9 +123,11 @@ class EndpointPlayer:
                            total_tokens=None)
         from molt_agents.endpoint import run_endpoint_episode
 
-        async with openai.AsyncOpenAI(base_url=base_url, api_key=self.api_key) as client:
-            played = await run_endpoint_episode(env, client, self.model, sampling=request_defaults(params),
-                                                seed=seed, options=options, max_total_tokens=self.max_total_tokens)
+        if self.client is None:
+            self.client = openai.AsyncOpenAI(base_url=base_url, api_key=self.api_key)
+        played = await run_endpoint_episode(env, self.client.with_options(base_url=base_url), self.model,
+                                            sampling=request_defaults(params), seed=seed, options=options,
+                                            max_total_tokens=self.max_total_tokens)
         return Episode(reward=played["reward"], turns=played["turns"], completion_tokens=played["completion_tokens"],
                        total_tokens=played["total_tokens"], text=json.dumps(played["messages"], ensure_ascii=False))
 

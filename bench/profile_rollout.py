@@ -1,12 +1,15 @@
 """Profile one step's rollouts of the benchmark workload, in this process (no Ray, no trainer).
 
     .venv/bin/python bench/profile_rollout.py [--workload small] [--steps 10] [--cprofile [--sort cumulative]]
+    .venv/bin/python bench/profile_rollout.py --env locker --model tiny:agent --max_tokens 32 \
+        --agent environments.agents:LockerAgent      # an agent through the loopback
 
 Builds Molt's `RolloutWorker` (the vLLM engine, the env runner) on the
 workload's model and plays a step's 16 groups of 8 episodes at once, in one
 `groups` call as the group stream submits them, `--steps` times (the median). Next to it, the
 floor: the same 128 samples from `vllm.LLM.generate` in one call, prompts
-tokenized beforehand.
+tokenized beforehand. `--env`, `--agent` and `--max_tokens` time another
+task, or an agent's episodes through the loopback, with the weights fixed.
 """
 
 from __future__ import annotations
@@ -23,15 +26,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workload  # noqa: E402
 
 
-def molt_rollouts(model_dir: str, name: str, steps: int, profiler: bool, sort: str = "tottime") -> dict:
+def molt_rollouts(model_dir: str, name: str, steps: int, profiler: bool, sort: str = "tottime", env: str | None = None,
+                  agent: str | None = None, max_tokens: int | None = None) -> dict:
     from molt_agents.engines import SamplingParams
     from molt_train.config import EngineConfig, RolloutConfig
+    from molt_train.model_fit import context_limit, model_config
     from molt_train.rollout import RolloutWorker
 
-    sampling = SamplingParams(temperature=workload.TEMPERATURE, max_tokens=workload.WORKLOADS[name]["max_tokens"],
-                              seed=0)
-    worker = RolloutWorker(model_dir, str(Path(__file__).parent / "addition.py") + ":Addition",
-                           RolloutConfig(max_total_tokens=512), EngineConfig(), sampling)
+    sampling = SamplingParams(temperature=workload.TEMPERATURE,
+                              max_tokens=max_tokens or workload.WORKLOADS[name]["max_tokens"], seed=0)
+    worker = RolloutWorker(model_dir, env or str(Path(__file__).parent / "addition.py") + ":Addition",
+                           RolloutConfig(max_total_tokens=1024),
+                           EngineConfig(max_model_len=context_limit(model_config(model_dir))), sampling, agent=agent)
 
     async def one_step(step: int):
         return await worker.groups([(step * 16 + g, 1000 * step + g) for g in range(workload.GROUPS_PER_STEP)],
@@ -105,9 +111,16 @@ def main() -> None:
     parser.add_argument("--cprofile", action="store_true")
     parser.add_argument("--sort", default="tottime", help="cProfile's order (tottime, cumulative, ...)")
     parser.add_argument("--floor", action="store_true", help="also time the floor (a second vLLM engine)")
+    parser.add_argument("--env", help="another environment (default: the workload's)")
+    parser.add_argument("--agent", help="a ChatAgent class that plays through the loopback (default: the env runner)")
+    parser.add_argument("--max_tokens", type=int, help="tokens per turn (default: the workload's)")
     args = parser.parse_args()
+    if args.model and args.model.startswith("tiny:"):
+        from molt_agents.tiny.build import model_dir as tiny_model_dir
+        args.model = str(tiny_model_dir(args.model))
     model_dir = args.model or str(workload.build(args.workload, tempfile.mkdtemp(prefix="molt-bench-")))
-    result = molt_rollouts(model_dir, args.workload, args.steps, args.cprofile, args.sort)
+    result = molt_rollouts(model_dir, args.workload, args.steps, args.cprofile, args.sort, args.env, args.agent,
+                           args.max_tokens)
     if "profile" in result:
         print(result.pop("profile"))
     if args.floor:

@@ -23,7 +23,7 @@ import json
 
 import anthropic
 
-from environments.python_tool import PYTHON_TOOL, final_answer, tool_code
+from environments.python_tool import PYTHON_TOOL, final_answer, python_call
 from molt_agents.agent import AgentResult, ChatAgent
 from molt_env.sandbox import Sandbox
 
@@ -88,14 +88,8 @@ class LockerAgent(ChatAgent):
 
 
 async def run_python(sandbox: Sandbox, name: str, arguments: str) -> str:
-    """One call of the `python` tool: what the code printed, or the error, as the tool's reply."""
-    if name != "python":
-        return f"[error] unknown tool {name!r}"
-    try:
-        code = tool_code(arguments)
-    except ValueError as error:
-        return f"[error] {error}"
-    return (await asyncio.to_thread(sandbox.run, code)).message()
+    """One call of the `python` tool, off the event loop: what the code printed, or the error."""
+    return (await asyncio.to_thread(python_call, sandbox, name, arguments))[0]
 
 
 # --------------------------------------------------------------------------

@@ -18,16 +18,10 @@ The hint after a wrong guess (`hint`):
 
 from __future__ import annotations
 
-import re
-
+from environments.arithmetic import last_number
 from molt_env import Env
 
 HINTS = ("direction", "told", "none")
-
-
-def parse_guess(reply: str) -> int | None:
-    found = re.findall(r"-?\d+", reply)
-    return int(found[-1]) if found else None
 
 
 class GuessNumber(Env):
@@ -46,7 +40,7 @@ class GuessNumber(Env):
 
     def step(self, action: str):
         self.turns += 1
-        guess = parse_guess(action)
+        guess = last_number(action)
         if guess == self.secret:
             return "", max(1.0 - 0.1 * (self.turns - 1), 0.1), True, False, {"turns": self.turns}
         if self.turns >= self.max_turns:

@@ -13,8 +13,8 @@ else 0. Running out of turns truncates the episode with reward 0.
 from __future__ import annotations
 
 import json
-import re
 
+from environments.arithmetic import last_number
 from molt_agents.tool_calls import parse_reply
 from molt_env import Env
 from molt_env.sandbox import Sandbox
@@ -32,19 +32,22 @@ PYTHON_TOOL = {
 
 def final_answer(reply: str) -> int | None:
     """The last integer in a final reply (None when it has none)."""
-    found = re.findall(r"-?\d+", reply.replace(",", ""))
-    return int(found[-1]) if found else None
+    return last_number(reply.replace(",", ""))
 
 
-def tool_code(arguments: str) -> str:
-    """The `code` argument of a python tool call; ValueError names what is wrong."""
+def python_call(sandbox: Sandbox, name: str, arguments: str) -> tuple[str, bool]:
+    """Run one call of the `python` tool (`arguments` a JSON string) in `sandbox`: the tool's reply (what the
+    code printed, or the error) and whether the code ran without one."""
+    if name != "python":
+        return f"[error] unknown tool {name!r}; the only tool is python", False
     try:
         parsed = json.loads(arguments)
     except json.JSONDecodeError as error:
-        raise ValueError(f"arguments are not JSON ({error.msg})") from None
+        return f"[error] arguments are not JSON ({error.msg})", False
     if not isinstance(parsed, dict) or not isinstance(parsed.get("code"), str):
-        raise ValueError('arguments must be a JSON object with a "code" string')
-    return parsed["code"]
+        return '[error] arguments must be a JSON object with a "code" string', False
+    result = sandbox.run(parsed["code"])
+    return result.message(), result.ok
 
 
 class PythonTool(Env):
@@ -77,17 +80,9 @@ class PythonTool(Env):
 
     def _call(self, function: dict) -> str:
         self.calls += 1
-        if function["name"] != "python":
-            self.errors += 1
-            return f"[error] unknown tool {function['name']!r}; the only tool is python"
-        try:
-            code = tool_code(function["arguments"])
-        except ValueError as error:
-            self.errors += 1
-            return f"[error] {error}"
-        result = self.sandbox.run(code)
-        self.errors += not result.ok
-        return result.message()
+        reply, ran = python_call(self.sandbox, function["name"], function["arguments"])
+        self.errors += not ran
+        return reply
 
     def _info(self) -> dict:
         return {"turns": self.turns, "tool_calls": self.calls, "tool_errors": self.errors}

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from molt_agents.engines.base import Sample
+from molt_agents.engines.stepped import fit_routes
 from molt_agents.multimodal import PromptImages, collapse, join_images
 from molt_env.trajectory import Trajectory
 
@@ -146,15 +147,13 @@ class Segment:
         return twin
 
     def to_trajectory(self, **facts) -> Trajectory:
-        routes = None
-        if self.routes is not None:  # context appended after the last sample was never routed
-            routes = np.full((len(self.token_ids), *self.routes.shape[1:]), -1, dtype=np.int16)
-            routes[: len(self.routes)] = self.routes[: len(self.token_ids)]
+        routes = fit_routes(self.routes, len(self.token_ids))  # context after the last sample was never routed
         mm = None
         if self.images:
             mm = {"placeholder_id": self.vision.placeholder_id, "spans": [list(s) for s in self.spans],
                   "tensors": join_images(self.images)}
         return Trajectory(token_ids=list(self.token_ids), logprobs=list(self.logprobs), mask=list(self.mask),
-                          versions=list(self.versions), finish_reason=self.finish_reason, routes=routes, mm=mm,
+                          versions=list(self.versions), finish_reason=self.finish_reason,
+                          routes=None if routes is None else routes.copy(), mm=mm,
                           **facts)
 

@@ -38,6 +38,7 @@ code at scale, run the environment itself inside a container or a VM
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -99,7 +100,8 @@ class Sandbox:
                     timed_out = False
                 except subprocess.TimeoutExpired:
                     timed_out = True
-                _kill_group(process.pid)  # whatever it started goes with it
+                with contextlib.suppress(ProcessLookupError, PermissionError):  # whatever it started goes too
+                    os.killpg(process.pid, signal.SIGKILL)
                 exit_code = process.wait()
             size = (work / ".output").stat().st_size
             with open(work / ".output", "rb") as output:
@@ -128,10 +130,3 @@ class Sandbox:
             last = text.strip().splitlines()[-1] if text.strip() else f"exit code {exit_code}"
             return text, last
         return text, None
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass

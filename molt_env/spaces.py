@@ -18,16 +18,29 @@ _SAMPLE_ALPHABET = list("abcdefghijklmnopqrstuvwxyz0123456789 .,!?+-*=()")
 ROLES = ("system", "user", "assistant", "tool")
 
 
-class Text(spaces.Space[str]):
-    """Any `str` up to `max_length` characters."""
+class _Sized(spaces.Space):
+    """A space of values bounded by `max_length` characters, which has no numpy form."""
 
-    def __init__(self, max_length: int = 1_000_000, seed: int | np.random.Generator | None = None):
-        super().__init__(dtype=str, seed=seed)
+    def __init__(self, max_length: int, dtype, seed: int | np.random.Generator | None = None):
+        super().__init__(dtype=dtype, seed=seed)
         self.max_length = max_length
 
     @property
     def is_np_flattenable(self) -> bool:
         return False
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(max_length={self.max_length})"
+
+    def __eq__(self, other: Any) -> bool:
+        return type(other) is type(self) and other.max_length == self.max_length
+
+
+class Text(_Sized):
+    """Any `str` up to `max_length` characters."""
+
+    def __init__(self, max_length: int = 1_000_000, seed: int | np.random.Generator | None = None):
+        super().__init__(max_length, str, seed)
 
     def sample(self, mask: Any = None, probability: Any = None) -> str:
         length = int(self.np_random.integers(1, min(self.max_length, 32) + 1))
@@ -35,12 +48,6 @@ class Text(spaces.Space[str]):
 
     def contains(self, x: Any) -> bool:
         return isinstance(x, str) and len(x) <= self.max_length
-
-    def __repr__(self) -> str:
-        return f"Text(max_length={self.max_length})"
-
-    def __eq__(self, other: Any) -> bool:
-        return isinstance(other, Text) and other.max_length == self.max_length
 
 
 def is_message(x: Any) -> bool:
@@ -52,21 +59,16 @@ def is_message(x: Any) -> bool:
         return x["role"] == "assistant" and bool(x.get("tool_calls"))
     if isinstance(content, str):
         return True
-    # Content parts: {"type": "text", "text": ...} now; image parts come with multimodal support.
+    # Content parts: {"type": "text", "text": ...}, {"type": "image_url", ...}
     return isinstance(content, list) and all(isinstance(p, dict) and "type" in p for p in content)
 
 
-class Chat(spaces.Space[Any]):
+class Chat(_Sized):
     """An observation: a `str` (one user turn) or a list of chat messages."""
 
     def __init__(self, max_length: int = 1_000_000, seed: int | np.random.Generator | None = None):
-        super().__init__(dtype=object, seed=seed)
         self.text = Text(max_length)
-        self.max_length = max_length
-
-    @property
-    def is_np_flattenable(self) -> bool:
-        return False
+        super().__init__(max_length, object, seed)
 
     def seed(self, seed: int | None = None):
         seeds = super().seed(seed)
@@ -80,12 +82,6 @@ class Chat(spaces.Space[Any]):
         if isinstance(x, str):
             return self.text.contains(x)
         return isinstance(x, list) and all(is_message(m) for m in x)
-
-    def __repr__(self) -> str:
-        return f"Chat(max_length={self.max_length})"
-
-    def __eq__(self, other: Any) -> bool:
-        return isinstance(other, Chat) and other.max_length == self.max_length
 
 
 def as_messages(observation: Any) -> list[dict]:

@@ -73,7 +73,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config, dict]:
         before = resume.run_config(parser, run_dir)
         parser.set_defaults(before)
         namespace = parser.parse_args(argv)
-        changes = resume.changes(before, _flat(namespace.clone()))
+        namespace.pop("config", None)
+        changes = resume.changes(before, dict(namespace.items()))
     elif any(a.startswith("--print_config") for a in argv):
         parser.parse_args(argv)
     namespace.pop("config", None)
@@ -87,23 +88,14 @@ def dump(config: Config) -> str:
     return parser.dump(parser.parse_object(dataclasses.asdict(config)))
 
 
-def _flat(namespace) -> dict:
-    namespace.pop("config", None)
-    return dict(namespace.items())
-
-
-def _model_dir(config: Config) -> str:
-    from molt_agents.tiny import model_dir
-
-    return str(model_dir(config.model))
-
-
 def main(argv: list[str] | None = None) -> None:
+    from molt_agents.tiny import model_dir as named_model_dir
+
     try:
         config, changes = parse_config(sys.argv[1:] if argv is None else argv)
         validate(config)
         check_loadable(config)
-        model_dir = _model_dir(config)
+        model_dir = str(named_model_dir(config.model))
         if config.dry_run:
             sys.exit(dry_run(config, model_dir))
         resolve_from_model(config, model_dir, gpu_engines=gpu_engines(config))

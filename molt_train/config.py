@@ -7,6 +7,7 @@ before any work starts, naming the flag.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -304,23 +305,19 @@ def validate(config: Config) -> None:
         if not ok:
             raise ConfigError(f"--{flag}: {why}")
 
-    need(config.steps >= 1, "steps", "must be >= 1")
-    need(config.rollout.group_size >= 1, "rollout.group_size", "must be >= 1")
-    need(config.rollout.groups_per_step >= 1, "rollout.groups_per_step", "must be >= 1")
-    need(config.rollout.max_tokens >= 1, "rollout.max_tokens", "must be >= 1")
-    need(config.rollout.max_failed_steps >= 0, "rollout.max_failed_steps", "must be >= 0")
+    for flag, least in (("steps", 1), ("rollout.group_size", 1), ("rollout.groups_per_step", 1),
+                        ("rollout.max_tokens", 1), ("rollout.max_failed_steps", 0), ("train.async_queue_size", 0),
+                        ("train.warmup_steps", 0), ("train.sync_bucket_mb", 1), ("train.updates_per_batch", 1),
+                        ("actor.world_size", 1), ("algo.max_staleness", 0), ("ckpt.every", 0),
+                        ("engine.data_parallel_size", 1), ("engine.tensor_parallel_size", 1)):
+        need(functools.reduce(getattr, flag.split("."), config) >= least, flag, f"must be >= {least}")
     if config.actor.colocate:
         _validate_colocate(config, need)
     need(config.engine.max_model_len is None or config.engine.max_model_len >= 1, "engine.max_model_len",
          "must be >= 1")
     need(0 < config.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
     need(config.train.lr > 0, "train.lr", "must be > 0")
-    need(config.train.async_queue_size >= 0, "train.async_queue_size", "must be >= 0")
     need(0 <= config.train.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
-    need(config.train.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
-    need(config.train.sync_bucket_mb >= 1, "train.sync_bucket_mb", "must be >= 1")
-    need(config.train.updates_per_batch >= 1, "train.updates_per_batch", "must be >= 1")
-    need(config.actor.world_size >= 1, "actor.world_size", "must be >= 1")
     need(config.actor.logprob_chunk_tokens >= 0, "actor.logprob_chunk_tokens", "must be >= 0 (0: no chunks)")
     need(config.actor.activation_checkpointing != "selective" or config.actor.backend == "fsdp2",
          "actor.activation_checkpointing", "selective needs --actor.backend fsdp2 (AutoModel checkpoints all blocks)")
@@ -331,14 +328,10 @@ def validate(config: Config) -> None:
              f"{value} needs FSDP, which NeMo AutoModel does not apply to a single rank: use "
              "--actor.backend fsdp2 or --actor.world_size >= 2")
     _validate_actor_parallel(config.actor, need)
-    need(config.algo.max_staleness >= 0, "algo.max_staleness", "must be >= 0")
     need(config.algo.is_low <= config.algo.is_high, "algo.is_low", "must be <= --algo.is_high")
-    need(config.ckpt.every >= 0, "ckpt.every", "must be >= 0")
     need(config.eval.every >= 0, "eval.every", "must be >= 0 (0: not during training)")
     validate_eval(config.eval, need)
     engine = config.engine
-    need(engine.data_parallel_size >= 1, "engine.data_parallel_size", "must be >= 1")
-    need(engine.tensor_parallel_size >= 1, "engine.tensor_parallel_size", "must be >= 1")
     need(0 < engine.gpu_memory_utilization <= 1, "engine.gpu_memory_utilization", "must be in (0, 1]")
     if engine.name == "hf":
         for flag, value, plain in (("tensor_parallel_size", engine.tensor_parallel_size, 1),

@@ -11,6 +11,7 @@ any) from the JSON lines into `RUN_DIR/plots/`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -32,7 +33,7 @@ class Metrics:
         if config.log.wandb:
             import wandb  # optional: pip install wandb
 
-            self.wandb = wandb.init(project="molt", dir=str(run_dir), config=_plain(config), resume="allow")
+            self.wandb = wandb.init(project="molt", dir=str(run_dir), config=dataclasses.asdict(config), resume="allow")
 
     def log(self, step: int, values: dict) -> None:
         record = {"step": step, **values}
@@ -51,12 +52,6 @@ class Metrics:
             self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
-
-
-def _plain(config) -> dict:
-    import dataclasses
-
-    return dataclasses.asdict(config)
 
 
 PANELS = [

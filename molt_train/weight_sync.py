@@ -23,6 +23,7 @@ made from these metas, and `Channel.send` casts to them.
 
 from __future__ import annotations
 
+import math
 import socket
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -40,10 +41,7 @@ class TensorMeta:
 
     @property
     def nbytes(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return math.prod(self.shape) * getattr(torch, self.dtype).itemsize
 
 
 @dataclass(frozen=True)

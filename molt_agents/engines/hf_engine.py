@@ -174,7 +174,7 @@ class HFEngine(SteppedEngine):
                             finished=finish is not None, finish_reason=finish or "stop")
             if finish is not None:
                 del self._requests[request_id]
-                item.routes = self._routes(request)
+                item.routes = np.stack(request.routes) if request.routes else None  # padded by `fit_routes`
             progress.append(item)
         return progress
 
@@ -190,10 +190,3 @@ class HFEngine(SteppedEngine):
         if generated >= params.max_tokens or len(request.ids) >= self.max_model_len:
             return "length"
         return None
-
-    def _routes(self, request: _Request) -> np.ndarray | None:
-        if not request.routes:
-            return None
-        routes = np.full((len(request.ids), *request.routes[0].shape), -1, dtype=np.int16)
-        routes[: len(request.routes)] = np.stack(request.routes)
-        return routes

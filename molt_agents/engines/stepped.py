@@ -186,7 +186,7 @@ class SteppedEngine:
                 self._pending[request_id] = _Pending(loop, future, len(prompt_ids), bool(params.top_logprobs),
                                                      index, on_tokens)
 
-        await self._call(submit)
+        await self._queue(submit)
         try:
             return list(await asyncio.gather(*(future for _, future in requests)))
         except asyncio.CancelledError:
@@ -195,17 +195,17 @@ class SteppedEngine:
             raise
 
     async def pause(self) -> None:
-        await self._call(lambda: setattr(self, "_paused", True))
+        await self._queue(lambda: setattr(self, "_paused", True))
 
     async def resume(self) -> None:
-        await self._call(lambda: setattr(self, "_paused", False))
+        await self._queue(lambda: setattr(self, "_paused", False))
 
     async def sleep(self) -> None:
         """Release the device memory of the weights and the KV cache (GPU engines); `wake` takes it back."""
-        await self._call(self._backend_sleep)
+        await self._queue(self._backend_sleep)
 
     async def wake(self) -> None:
-        await self._call(self._backend_wake)
+        await self._queue(self._backend_wake)
 
     def _backend_sleep(self) -> None:
         raise NotImplementedError(f"{type(self).__name__} cannot sleep")
@@ -313,10 +313,6 @@ class SteppedEngine:
         if not self._closed and not self._wake_stepper():
             self._start_stepper()
 
-    async def _call(self, fn):
-        """Run `fn` where the engine steps, between two steps, and await its result."""
-        return await self._queue(fn)
-
     def _queue(self, fn) -> asyncio.Future:
         """Queue `fn` for where the engine steps (between two steps, after the jobs queued before it); its
         result comes in the future."""
@@ -363,7 +359,7 @@ class SteppedEngine:
                     break
                 try:
                     job()
-                except Exception:  # `_call` jobs report their own errors; this is an abort or cleanup
+                except Exception:  # queued jobs report their own errors; this is an abort or cleanup
                     log.exception("an engine job failed")
             return not self._closed and not self._paused and self._backend_has_work()
 

@@ -208,7 +208,8 @@ def tiny_model(kind: str = "dense", **sizes) -> Path:
     if (target / "config.json").exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".lock", "w") as lock, _locked(lock):
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if not (target / "config.json").exists():
             tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{kind}-"))
             try:
@@ -245,15 +246,6 @@ def _single_thread():
         yield
     finally:
         torch.set_num_threads(threads)
-
-
-@contextlib.contextmanager
-def _locked(handle):
-    fcntl.flock(handle, fcntl.LOCK_EX)
-    try:
-        yield
-    finally:
-        fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 # --------------------------------------------------------------------------

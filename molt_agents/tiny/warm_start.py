@@ -209,8 +209,6 @@ def _pretext_picture(rng: random.Random):
 
 
 def _picture_rows(processor, rng: random.Random, prompts: list[str], batch: int):
-    from PIL import Image
-
     tokenizer, rows, tensors = processor.tokenizer, [], []
     for _ in range(batch):
         image, colour = _pretext_picture(rng)

@@ -303,10 +303,9 @@ class PolicyRank:
         native = backend == "automodel" and automodel.native_class(model_dir) is not None
         if self.world_size == 1:
             return automodel.load_native(model_dir, torch.float32) if native else load_model(model_dir, torch.float32)
+        build = automodel.build_native if native else fsdp.build_model
         with fsdp.parameters_on_meta():
-            if native:
-                return automodel.build_native(model_dir, torch.float32)
-            return fsdp.build_model(model_dir, torch.float32)
+            return build(model_dir, torch.float32)
 
     def _shard(self, model, model_dir, actor: ActorConfig):
         """Shard with the actor's backend, in its compute dtype, checkpointing and offload. A model built on the
@@ -331,11 +330,6 @@ class PolicyRank:
         if automodel.is_native(model):
             return automodel.native_state(model, model_dir, dtype)
         return load_model(model_dir, dtype).state_dict()
-
-    def _hf_tensors(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """A full tensor of the model as the Hugging Face checkpoint tensors it holds (engines and
-        checkpoints take those)."""
-        return automodel.hf_tensors(self.model, name, tensor)
 
     # ------------------------------------------------------------------
 
@@ -442,7 +436,7 @@ class PolicyRank:
         for key, value in state.items():
             if for_sync and key in self.frozen:
                 continue
-            for name, tensor in self._hf_tensors(key, value):
+            for name, tensor in automodel.hf_tensors(self.model, key, value):
                 dtype = sync_dtype(tensor.dtype, self.engine_dtype) if for_sync else tensor.dtype
                 weights[name] = tensor.detach().to("cpu", dtype, copy=True)
         return weights
@@ -455,7 +449,8 @@ class PolicyRank:
         for key, value in self.model.state_dict().items():
             if key in self.frozen:
                 continue
-            for name, meta in self._hf_tensors(key, torch.empty(value.shape, dtype=value.dtype, device="meta")):
+            meta_tensor = torch.empty(value.shape, dtype=value.dtype, device="meta")
+            for name, meta in automodel.hf_tensors(self.model, key, meta_tensor):
                 metas.append((name, meta))
                 self.sources[name] = key
         return sync_metas(tensor_meta(metas), self.engine_dtype)
@@ -475,7 +470,7 @@ class PolicyRank:
         for bucket in self.buckets:
             full = {}
             for key in dict.fromkeys(self.sources[meta.name] for meta, _ in bucket.entries):
-                full.update(self._hf_tensors(key, _full_tensor(state[key])))
+                full.update(automodel.hf_tensors(self.model, key, _full_tensor(state[key])))
             if self.channel is not None:
                 self.channel.send(bucket, full)
 

@@ -53,10 +53,6 @@ class Shape:
     vision_params: int = 0
     counted_by: str = "formula"
 
-    @property
-    def dense_params(self) -> int:
-        return self.params - self.expert_params
-
 
 def text_config(config: dict) -> dict:
     """The language model's fields (a vision-language model keeps them in `text_config`)."""

@@ -20,12 +20,12 @@ after it, which would otherwise wait on the dead process). A trainer rank that d
 from __future__ import annotations
 
 import asyncio
-import os
 
 import ray
 
 from molt_train.console import StartupError, cause
 from molt_train.placement import Placement
+from molt_train.plan import local_cpus
 from molt_train.rollout import GroupStream, RolloutWorker, training_sampling
 from molt_train.trainer import TrainerGroup
 from molt_train.trainer import rendezvous as trainer_rendezvous
@@ -54,12 +54,6 @@ async def _instance(worker, restart_timeout: float = 600.0) -> str:
                 raise RuntimeError(f"a rollout worker died and was not restarted ({WORKER_RESTARTS} restarts "
                                    f"allowed): {cause(error)}") from None
             await asyncio.sleep(1.0)
-
-
-def local_cpus(config) -> int:
-    """CPUs of a local Ray: --ray.num_cpus, or all, and at least one per process the run places."""
-    processes = (config.engine.data_parallel_size * config.engine.tensor_parallel_size + config.actor.world_size)
-    return config.ray.num_cpus or max(os.cpu_count() or 1, processes)
 
 
 def _describe(nodes: dict[str, list[str]]) -> str:

@@ -13,6 +13,7 @@ the profiler's rise within the step.
 
 import gc
 import json
+import os
 import re
 import socket
 import subprocess
@@ -115,6 +116,14 @@ def test_a_run_that_does_not_fit_fails_naming_the_flag_to_change(flags, message)
     result = _dry_run(*flags)
     assert result.returncode == 1
     assert result.stderr.startswith(f"molt-train --dry-run: {message}"), result.stderr
+
+
+def test_dry_run_counts_the_cpus_a_local_ray_gives_the_run():
+    """A local Ray counts a CPU for every process it places, however few the machine has (`local_cpus`): the
+    dry run plans with those, so a run that starts here is not refused by its own dry run."""
+    result = _dry_run("--engine.data_parallel_size", "3")
+    assert result.returncode == 0, result.stderr
+    assert f"# cluster: 1 node(s) x {max(os.cpu_count(), 4)} CPUs" in result.stdout, result.stdout
 
 
 def test_dry_run_reads_the_shape_of_a_live_ray_cluster(ray_address, dense_dir):

@@ -88,6 +88,8 @@ def cluster_of(config: Config) -> Cluster:
         return Cluster(flags.nodes, flags.gpus_per_node, flags.gpu_memory_gb, flags.cpu_memory_gb,
                        cpus=(os.cpu_count() or 1) if flags.gpus_per_node == 0 else 0)
     found = _live_cluster(config.ray.address) if config.ray.address else _this_machine()
+    if not config.ray.address:  # a local Ray counts its CPUs as the run starts it
+        found["cpus"] = local_cpus(config)
     merged = {**found, **given}
     if merged["gpu_memory_gb"] is None:
         raise ConfigError("--cluster.gpu_memory_gb: the cluster's GPU type is unknown "
@@ -95,6 +97,12 @@ def cluster_of(config: Config) -> Cluster:
     source = "flags" if not found else ("Ray cluster " + config.ray.address if config.ray.address else "this machine")
     return Cluster(merged["nodes"], merged["gpus_per_node"], merged["gpu_memory_gb"], merged["cpu_memory_gb"],
                    cpus=found.get("cpus", 0) if merged["gpus_per_node"] == 0 else 0, source=source)
+
+
+def local_cpus(config: Config) -> int:
+    """CPUs of a local Ray: --ray.num_cpus, or all, and at least one per process the run places."""
+    processes = (config.engine.data_parallel_size * config.engine.tensor_parallel_size + config.actor.world_size)
+    return config.ray.num_cpus or max(os.cpu_count() or 1, processes)
 
 
 def _this_machine() -> dict:

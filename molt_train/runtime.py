@@ -74,7 +74,8 @@ class Runtime:
         A component that fails to start raises `StartupError` naming it and the cause."""
         self = cls()
         self.config, self.version, self.report = config, state["version"], phase
-        if not ray.is_initialized():
+        self.owns_ray = not ray.is_initialized()
+        if self.owns_ray:
             # "local": a new instance even where `ray start` left a cluster that a bare ray.init() would join.
             ray.init(address=config.ray.address or "local",
                      num_cpus=None if config.ray.address else local_cpus(config),
@@ -169,9 +170,16 @@ class Runtime:
         await asyncio.gather(*(worker.wake.remote() for worker in self.workers))
 
     async def close(self) -> None:
+        """Stop the run's processes. A Ray instance the run started ends here, and every reservation with it:
+        a signal to the whole process group (`timeout`, `kill -TERM -PGID`, Slurm) stops that Ray's own
+        processes too, and removing placement groups then waits on them until the driver fails (a minute,
+        exit 1). On a Ray the run joined, the run's placement groups are removed."""
         try:
             await self.trainer.close()
         finally:
-            for worker in self.workers:
-                ray.kill(worker)
-            self.placement.remove()
+            for actor in self.workers + self.trainer.ranks:
+                ray.kill(actor)
+            if self.owns_ray:
+                ray.shutdown()
+            else:
+                self.placement.remove()

@@ -239,6 +239,26 @@ def test_an_agent_that_fails_every_episode_ends_the_run_in_one_line_naming_the_e
     assert not (out / "checkpoints").exists()
 
 
+def test_sigterm_to_the_whole_process_group_of_a_run_with_its_own_ray_saves_and_exits(tmp_path, started):
+    """`timeout`, `kill -TERM -PGID` and Slurm signal every process of the group: the run's own local Ray
+    (its GCS and raylet) stops with it. The run still saves its last finished step and exits 143 within 30 s,
+    without waiting on the Ray it started."""
+    out = tmp_path / "own-ray"
+    process = subprocess.Popen(MOLT_TRAIN + ["--out", str(out), *SMALL, "--env", _slow_digit(tmp_path, 0.5),
+                                             "--steps", "20", "--ckpt.every", "0"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    started.append(process)
+    _wait_for(process, lambda: len(_metrics(out)) >= 2, "step 2")
+    signalled = time.time()
+    os.killpg(process.pid, signal.SIGTERM)
+    stdout, _ = process.communicate(timeout=120)
+    waited = time.time() - signalled
+    print(f"exited {process.returncode} {waited:.1f} s after the group's SIGTERM")
+    assert process.returncode == 143 and waited < 30, stdout[-3000:]
+    (saved,) = (out / "checkpoints").glob("step_*")
+    assert f"molt-train: stopped by SIGTERM after step {len(_metrics(out))}; checkpoint {saved}" in stdout
+
+
 def test_sigterm_saves_the_last_finished_step_and_the_resumed_run_equals_the_uninterrupted_one(
         tmp_path, ray_address, started):
     """A scheduler's preemption: SIGTERM to the driver mid-run. The run saves its last finished step (no

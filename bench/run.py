@@ -14,6 +14,8 @@ The systems, on the settings of bench/workload.py:
 - trl: bench/trl_run.py, TRL's GRPOTrainer (generate, then train, in one process).
 - molt: molt-train, asynchronous (rollouts generated while the trainer steps).
 - molt-sync: molt-train --train.async_queue_size 0 (strictly on-policy, as TRL).
+- molt-lora: molt, training LoRA adapters (workload.LORA_RANK, alpha twice the rank, workload.LORA_LR)
+  instead of the full weights; not in the default systems.
 
 Into bench/results/<timestamp>/: runs/<workload>-<system>-seed<s>/ (each
 run's output.log and per-step JSON lines), runs.json (every run's raw
@@ -67,11 +69,18 @@ def molt_sync_command(model: Path, name: str, seed: int, steps: int, run_dir: Pa
     return molt_command(model, name, seed, steps, run_dir) + ["--train.async_queue_size", "0"]
 
 
+def molt_lora_command(model: Path, name: str, seed: int, steps: int, run_dir: Path) -> list[str]:
+    return molt_command(model, name, seed, steps, run_dir) + [
+        "--actor.lora.rank", str(workload.LORA_RANK), "--actor.lora.alpha", str(2 * workload.LORA_RANK),
+        "--train.lr", str(workload.LORA_LR)]
+
+
 # system -> (command, the file of its per-step JSON lines in the run directory)
 SYSTEMS = {
     "trl": (trl_command, "steps.jsonl"),
     "molt": (molt_command, "metrics.jsonl"),
     "molt-sync": (molt_sync_command, "metrics.jsonl"),
+    "molt-lora": (molt_lora_command, "metrics.jsonl"),
 }
 
 
@@ -117,7 +126,7 @@ def main() -> None:
                         help="workloads of bench/workload.py, each with its own model")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1], help="seeds, each run by every system")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
-    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS),
+    parser.add_argument("--systems", nargs="+", default=["trl", "molt", "molt-sync"], choices=list(SYSTEMS),
                         help="systems to run, in this order for each seed")
     args = parser.parse_args()
 

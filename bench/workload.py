@@ -31,6 +31,7 @@ GROUPS_PER_STEP = 16
 GROUP_SIZE = 8
 TEMPERATURE = 1.0
 LR = 1e-4
+LORA_RANK, LORA_LR = 16, 1e-3  # Molt's LoRA runs (bench/run.py --systems molt-lora); not TRL's
 CLIP = 0.2
 WARM_START_STEPS = 20
 MAX_OPERAND = 9

@@ -24,6 +24,19 @@ def load_model(model_dir: str | Path, dtype):
     return model_class(model_dir).from_pretrained(str(model_dir), dtype=dtype)
 
 
+def adapter_base(adapter_dir: str | Path) -> str:
+    """The model a LoRA adapter directory (PEFT's format) was trained on, as its adapter_config.json names it."""
+    import json
+
+    path = Path(adapter_dir) / "adapter_config.json"
+    if not path.is_file():
+        raise ValueError(f"{adapter_dir}: not a LoRA adapter directory (no adapter_config.json)")
+    base = json.loads(path.read_text()).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"{path} names no base model (base_model_name_or_path); pass the model directory")
+    return base
+
+
 def as_model_input(tensor: torch.Tensor, model) -> torch.Tensor:
     """An input tensor on the model's device, floats in its dtype."""
     dtype = model.dtype if tensor.is_floating_point() else tensor.dtype

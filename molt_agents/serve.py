@@ -17,6 +17,9 @@ from pathlib import Path
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="molt-serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
+    parser.add_argument("--lora", type=Path, default=None,
+                        help="a LoRA adapter directory in PEFT's format (a LoRA run's checkpoint adapter/) to serve "
+                             "on --model (default: the adapter's own base model); needs --engine vllm")
     parser.add_argument("--engine", default="vllm", help="engine backend (default: vllm)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=0, help="port (default: a free one)")
@@ -35,12 +38,18 @@ def main(argv: list[str] | None = None) -> None:
     from molt_agents.multimodal import ImageLimits, Vision
     from molt_agents.tiny import model_dir
 
+    from molt_agents.hf_model import adapter_base
+
     try:
-        model = str(model_dir(args.model, default="dense"))
+        if args.lora is not None and args.engine != "vllm":
+            raise ValueError(f"--lora: served by vLLM's LoRA, not --engine {args.engine}")
+        base = args.model if args.model or args.lora is None else adapter_base(args.lora)
+        model = str(model_dir(base, default="dense"))
     except ValueError as error:
         parser.exit(2, f"molt-serve: {error}\n")
     tokenizer = AutoTokenizer.from_pretrained(model)
-    engine = make_engine(args.engine, model, dtype=args.dtype, max_model_len=args.max_model_len)
+    engine = make_engine(args.engine, model, dtype=args.dtype, max_model_len=args.max_model_len,
+                         **({"adapter": str(args.lora)} if args.lora else {}))
 
     def write(trajectories):
         if args.trajectories is None:
@@ -54,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
                         on_finish=write, vision=Vision(model) if Vision.available(model) else None,
                         image_limits=ImageLimits(allow_remote=args.allow_remote_images))
     loopback.start()
-    print(f"molt-serve: model {model}", flush=True)
+    print(f"molt-serve: model {model}" + (f" with the LoRA adapter {args.lora}" if args.lora else ""), flush=True)
     print(f"base URL: {loopback.base_url('<session>')}", flush=True)
     print(f"API key: {loopback.api_key}", flush=True)
     print(f"finish a session: POST http://{args.host}:{loopback.port}/s/<session>/finish {{\"reward\": 1.0}}",

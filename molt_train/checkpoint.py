@@ -1,6 +1,8 @@
 """Checkpoints: `RUN_DIR/checkpoints/step_NNNNNN/` holds everything a resume needs.
 
     policy/          the policy in Hugging Face format with its tokenizer and processor (transformers and vLLM load it)
+    adapter/         instead of policy/ under LoRA: the adapters in PEFT's format (adapter_config.json,
+                     adapter_model.safetensors; PEFT and vLLM load them onto the run's model) and the tokenizer
     optimizer.pt     optimizer and scheduler state
     rng_rankN.pt     each trainer rank's random generator states (torch, CUDA, Python, NumPy)
     loop_state.json  step, policy version, data position, seed
@@ -37,15 +39,21 @@ async def save(trainer, run_dir: Path, model_dir: str, state: dict, keep: int) -
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     await trainer.save(str(partial))
+    weights = policy_dir(partial)
     for name in TOKENIZER_FILES:
         if (Path(model_dir) / name).exists():
-            shutil.copy(Path(model_dir) / name, partial / "policy" / name)
+            shutil.copy(Path(model_dir) / name, weights / name)
     (partial / "loop_state.json").write_text(json.dumps(state, indent=2))
     shutil.rmtree(final, ignore_errors=True)
     partial.rename(final)
     for old in sorted(p for p in root.glob("step_*"))[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def policy_dir(checkpoint: Path) -> Path:
+    """Where a checkpoint keeps its policy: `policy/`, or under LoRA `adapter/`."""
+    return checkpoint / "adapter" if (checkpoint / "adapter").is_dir() else checkpoint / "policy"
 
 
 def load_state(checkpoint: Path) -> dict:

@@ -145,6 +145,23 @@ class AlgoConfig:
 
 
 @dataclass
+class LoraConfig:
+    """Low-rank adapters (LoRA, through PEFT): the trainer trains the adapters only and the model's own
+    weights stay frozen (no optimizer state, no KL reference copy: the reference is the model with the
+    adapters off); the vLLM engines serve the adapters, and a weight sync moves them alone."""
+
+    rank: int = 0
+    """Rank r of every adapter; 0 = train the full weights."""
+    alpha: float = 16.0
+    """Scale: the adapter's product is multiplied by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapters' inputs while training."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """The linear layers that get adapters, by name (e.g. q_proj v_proj); all-linear: every linear layer of
+    the decoder blocks (not the output head), as PEFT reads it."""
+
+
+@dataclass
 class ActorConfig:
     """The policy trainer group."""
 
@@ -180,6 +197,7 @@ class ActorConfig:
     sleeping (vLLM sleep mode frees their weights and KV cache) while the trainer steps. Needs
     --train.async_queue_size 0, --train.weight_sync object_store, --engine.tensor_parallel_size 1 and
     --engine.data_parallel_size equal to --actor.world_size."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
     offload: Literal["none", "optimizer", "full"] = "none"
     """optimizer: the sharded parameters and gradients stay on the device, AdamW's states and fp32 master
     weights live in host memory (ZeRO-Offload: gradient shards go to the host, AdamW steps on the CPU, the
@@ -295,6 +313,9 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
 
+LORA_MAX_RANK = 512  # vLLM's largest max_lora_rank
+
+
 class ConfigError(ValueError):
     pass
 
@@ -328,6 +349,7 @@ def validate(config: Config) -> None:
              f"{value} needs FSDP, which NeMo AutoModel does not apply to a single rank: use "
              "--actor.backend fsdp2 or --actor.world_size >= 2")
     _validate_actor_parallel(config.actor, need)
+    _validate_lora(config, need)
     need(config.algo.is_low <= config.algo.is_high, "algo.is_low", "must be <= --algo.is_high")
     need(config.eval.every >= 0, "eval.every", "must be >= 0 (0: not during training)")
     validate_eval(config.eval, need)
@@ -345,6 +367,21 @@ def validate(config: Config) -> None:
                                                                           "reinforce_pp_baseline")),
          "algo.estimator", f"{config.algo.estimator} needs --rollout.group_size >= 2 for its group baseline")
     need(not (config.resume and config.out is None), "resume", "needs --out RUN_DIR of the run to continue")
+
+
+def _validate_lora(config: Config, need) -> None:
+    lora = config.actor.lora
+    need(0 <= lora.rank <= LORA_MAX_RANK, "actor.lora.rank", f"must be in [0, {LORA_MAX_RANK}] (0: full weights; "
+         f"{LORA_MAX_RANK} is the most vLLM serves)")
+    if not lora.rank:
+        return
+    need(lora.alpha > 0, "actor.lora.alpha", "must be > 0")
+    need(0 <= lora.dropout < 1, "actor.lora.dropout", "must be in [0, 1)")
+    need(bool(lora.target_modules), "actor.lora.target_modules", "name at least one module, or all-linear")
+    need(config.actor.backend == "fsdp2", "actor.lora.rank",
+         "LoRA trains with --actor.backend fsdp2 (AutoModel's own PEFT path is not wired in)")
+    need(config.engine.name == "vllm", "actor.lora.rank", "the engines serve the adapters with vLLM's LoRA: "
+         "needs --engine.name vllm")
 
 
 def validate_eval(evaluation: EvalConfig, need, prefix: str = "eval.") -> None:

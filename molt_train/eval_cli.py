@@ -97,7 +97,7 @@ def _underscored(arg: str) -> str:
 
 def run_of(path: Path) -> Path | None:
     """The run directory `path` belongs to: itself, or the run of a checkpoint or of its policy/."""
-    if path.name == "policy":
+    if path.name in ("policy", "adapter"):
         path = path.parent
     if path.name.startswith("step_") and path.parent.name == "checkpoints":
         path = path.parent.parent
@@ -145,28 +145,39 @@ def check(command: EvalCommand, config: Config) -> None:
     if command.base_url:
         _reachable(command.base_url.replace("<session>", "molt-eval"))
     else:
-        resolve_from_model(config, policy_dir(command.model), gpu_engines=gpu_engines(config))
+        resolve_from_model(config, served(policy_dir(command.model))[0], gpu_engines=gpu_engines(config))
 
 
 def policy_dir(model: str) -> Path:
-    """The Hugging Face directory behind `--model`: a checkpoint's `policy/`, a run's latest one's, or the
-    model directory (`tiny.model_dir`)."""
+    """The directory behind `--model`: a checkpoint's `policy/` (or a LoRA run's `adapter/`), a run's latest
+    one's, or the model directory (`tiny.model_dir`)."""
     from molt_agents.tiny import model_dir
+    from molt_train import checkpoint
 
     path = Path(model)
     if (path / "loop_state.json").is_file() or path.name.startswith("step_"):  # a checkpoint
-        if not (path / "policy" / "config.json").is_file():
+        policy = checkpoint.policy_dir(path)
+        if not (policy / "config.json").is_file() and not (policy / "adapter_config.json").is_file():
             raise ConfigError(f"--model {model}: the checkpoint has no policy (no {path / 'policy' / 'config.json'}); "
                               "it may be incomplete: pass another step_* directory")
-        return path / "policy"
+        return policy
+    if (path / "adapter_config.json").is_file():  # a LoRA adapter
+        return path
     if (path / "checkpoints").is_dir():  # a run directory: its latest checkpoint
-        from molt_train import checkpoint
-
         latest = checkpoint.latest(path)
         if latest is None:
             raise ConfigError(f"--model {model}: the run has no finished checkpoint under {path / 'checkpoints'}")
         return policy_dir(str(latest))
     return model_dir(model)
+
+
+def served(policy: Path) -> tuple[str, str | None]:
+    """The model directory an engine loads for `policy_dir`'s answer, and the LoRA adapter it serves on it."""
+    from molt_agents.hf_model import adapter_base
+
+    if (policy / "adapter_config.json").is_file():
+        return adapter_base(policy), str(policy)
+    return str(policy), None
 
 
 def _reachable(base_url: str) -> None:
@@ -190,8 +201,9 @@ async def play_checkpoint(command: EvalCommand, config: Config) -> list[dict]:
     from molt_train.evaluate import eval_sampling
     from molt_train.rollout import RolloutWorker
 
-    worker = RolloutWorker(str(policy_dir(command.model)), config.env, config.rollout, config.engine,
-                           eval_sampling(config), seed=config.seed, agent=config.agent)
+    model, adapter = served(policy_dir(command.model))
+    worker = RolloutWorker(model, config.env, config.rollout, config.engine, eval_sampling(config),
+                           seed=config.seed, agent=config.agent, adapter=adapter)
     try:
         with _progress(config.eval.episodes * config.eval.samples) as progress:
             return await worker.evaluate(list(range(config.eval.episodes)), config.eval.samples,

@@ -106,7 +106,8 @@ async def train(config, run_dir: Path, model_dir: str, console: Console) -> None
                       "time/generate": sum(g.seconds for g in groups) / len(groups), "time/train": trained,
                       "time/ray": None if stats["time/rank_step"] is None else
                       max(trained - stats["time/rank_step"] - stats["time/pack"], 0.0),
-                      "time/sync": synced, "time/step": ended - started, "time/elapsed": ended - began,
+                      "time/sync": synced, "sync/bytes": runtime.sync_bytes if items else 0,
+                      "time/step": ended - started, "time/elapsed": ended - began,
                       "rollouts/lost_groups": runtime.groups.take_lost(),
                       "throughput/tokens_per_s": stats["tokens/trained"] / max(ended - started, 1e-9)}
             metrics.log(step, stats)

@@ -41,10 +41,11 @@ class RolloutWorker:
 
     def __init__(self, model_dir: str, env: str, rollout: RolloutConfig, engine: EngineConfig,
                  sampling: SamplingParams, *, seed: int = 0, version: int = 0, agent: str | None = None,
-                 colocate: bool = False):
+                 colocate: bool = False, adapter: dict | None = None):
         """`rollout` and `engine` as the run's config holds them (`engine.max_model_len` resolved); `sampling`
         the training episodes'; `seed` the engine's; `version` the weights' (a resumed run continues the
-        count); `agent` a `ChatAgent` class that plays the episodes through the loopback."""
+        count); `agent` a `ChatAgent` class that plays the episodes through the loopback; `adapter` a LoRA
+        adapter's config under LoRA (the weight updates are then its adapters)."""
         from transformers import AutoTokenizer
 
         from molt_agents.engines import make_engine
@@ -54,7 +55,8 @@ class RolloutWorker:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.vision = Vision(model_dir) if Vision.available(model_dir) else None  # observations may carry images
         self.engine = make_engine(engine.name, model_dir, dtype=engine.dtype, seed=seed,
-                                  max_model_len=engine.max_model_len, **engine_options(engine, colocate))
+                                  max_model_len=engine.max_model_len, **engine_options(engine, colocate),
+                                  **({"adapter": adapter} if adapter else {}))
         self.engine.version = version
         # A CPU engine steps on the episodes' event loop: a weight update is queued on it (`update_weights`)
         # and the broadcast lands in host memory; a GPU engine steps on a thread of its own, into which the

@@ -23,6 +23,8 @@ import asyncio
 
 import ray
 
+from molt_train import checkpoint
+from molt_train.actor.lora import adapter_config
 from molt_train.console import StartupError, cause
 from molt_train.placement import Placement
 from molt_train.plan import local_cpus
@@ -83,14 +85,17 @@ class Runtime:
         phase(f"ray: {'joined ' + config.ray.address if config.ray.address else 'started a local instance'}")
         self.placement = await Placement.reserve(config)  # a ConfigError names the flags
         phase(f"placement: {_describe(self.placement.nodes())}")
-        start_dir = str(resume_from / "policy") if resume_from else model_dir
+        start_dir = str(checkpoint.policy_dir(resume_from)) if resume_from else model_dir
+        # Under LoRA the engines serve the run's model, and the trainer's adapters once it is up.
+        lora = config.actor.lora if config.actor.lora.rank else None
         # A worker whose process dies is restarted by Ray with these arguments; `check_workers` then gives it
         # the current weights and version.
         worker = ray.remote(max_restarts=WORKER_RESTARTS, concurrency_groups={"control": 1})(RolloutWorker)
         self.workers = [worker.options(**self.placement.engine(i).options()).remote(
-                            start_dir, config.env, config.rollout, config.engine, training_sampling(config),
-                            seed=config.seed + i, version=state["version"], agent=config.agent,
-                            colocate=config.actor.colocate)
+                            model_dir if lora else start_dir, config.env, config.rollout, config.engine,
+                            training_sampling(config), seed=config.seed + i, version=state["version"],
+                            agent=config.agent, colocate=config.actor.colocate,
+                            adapter=adapter_config(lora) if lora else None)
                         for i in range(config.engine.data_parallel_size)]
         rendezvous = await _started("the trainer's rendezvous", trainer_rendezvous(self.placement))
         self.trainer = TrainerGroup(model_dir, start_dir, config, self.placement, rendezvous)
@@ -100,6 +105,10 @@ class Runtime:
             await _started("the trainer's restore", self.trainer.restore(str(resume_from)))
         self.instances = await _started("a rollout worker", asyncio.gather(*(w.instance.remote()
                                                                               for w in self.workers)))
+        if lora:
+            adapters = ray.put(await self.trainer.weights())
+            await _started("the engines' adapters", asyncio.gather(*(w.load_weights.remote(adapters, self.version)
+                                                                     for w in self.workers)))
         phase(f"rollout workers: {len(self.workers)} x {config.engine.name} engine")
         if config.train.weight_sync == "broadcast":
             await _started("the weight-sync channel", self._open_channel())
@@ -134,14 +143,17 @@ class Runtime:
 
     async def sync_weights(self) -> int:
         """Push the trainer's weights to every engine (checked by the `train_step` before); returns the new
-        policy version."""
+        policy version. `sync_bytes`: what the trainer sent (the channel's buckets, or the tensors put in the
+        object store)."""
         partial = self.config.rollout.partial_rollout
         if self.config.train.weight_sync == "broadcast":
-            _, *versions = await asyncio.gather(self.trainer.broadcast_weights(),
-                                                *(worker.update_weights.remote(None, partial)
-                                                  for worker in self.workers))
+            self.sync_bytes, *versions = await asyncio.gather(self.trainer.broadcast_weights(),
+                                                              *(worker.update_weights.remote(None, partial)
+                                                                for worker in self.workers))
         else:
-            weights = ray.put(await self.trainer.weights())
+            weights = await self.trainer.weights()
+            self.sync_bytes = sum(tensor.nbytes for tensor in weights.values())
+            weights = ray.put(weights)
             versions = await asyncio.gather(*(worker.update_weights.remote(weights, partial)
                                               for worker in self.workers))
         self.version = versions[0]

@@ -71,8 +71,9 @@ class TrainerGroup:
     async def open_channel(self, host: str, port: int, size: int, bucket_bytes: int) -> None:
         await _gather([rank.open_channel.remote(host, port, size, bucket_bytes) for rank in self.ranks])
 
-    async def broadcast_weights(self) -> None:
-        await _gather([rank.broadcast_weights.remote() for rank in self.ranks])
+    async def broadcast_weights(self) -> int:
+        """The weights to the workers on the channel; the bytes sent."""
+        return (await _gather([rank.broadcast_weights.remote() for rank in self.ranks]))[0]
 
     async def save(self, directory: str) -> None:
         await _gather([rank.save.remote(directory) for rank in self.ranks])

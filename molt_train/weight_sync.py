@@ -109,14 +109,16 @@ class Channel:
     def broadcast(self, buffer: torch.Tensor) -> None:
         self.group.broadcast(buffer, 0).wait()
 
-    def send(self, bucket: Bucket, tensors: dict[str, torch.Tensor]) -> None:
-        """Broadcast one bucket of full tensors (channel rank 0), each cast to its dtype in the plan."""
+    def send(self, bucket: Bucket, tensors: dict[str, torch.Tensor]) -> int:
+        """Broadcast one bucket of full tensors (channel rank 0), each cast to its dtype in the plan; returns
+        the bytes sent."""
         buffer = torch.empty(bucket.size, dtype=torch.uint8, device=self.device)
         for meta, offset in bucket.entries:
             tensor = tensors[meta.name].detach().to(self.device, getattr(torch, meta.dtype))
             flat = tensor.contiguous().view(-1).view(torch.uint8)
             buffer[offset: offset + meta.nbytes].copy_(flat)
         self.broadcast(buffer)
+        return buffer.numel()
 
     def receive(self, buckets: list[Bucket]):
         """Yield `(name, tensor)` as each bucket arrives (views into that bucket's buffer)."""

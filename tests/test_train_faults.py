@@ -259,12 +259,15 @@ def test_sigterm_to_the_whole_process_group_of_a_run_with_its_own_ray_saves_and_
     assert f"molt-train: stopped by SIGTERM after step {len(_metrics(out))}; checkpoint {saved}" in stdout
 
 
+@pytest.mark.parametrize("lora", [[], ["--actor.lora.rank", "8", "--train.lr", "1e-2"]], ids=["full", "lora"])
 def test_sigterm_saves_the_last_finished_step_and_the_resumed_run_equals_the_uninterrupted_one(
-        tmp_path, ray_address, started):
+        tmp_path, ray_address, started, lora):
     """A scheduler's preemption: SIGTERM to the driver mid-run. The run saves its last finished step (no
     checkpoint is due before the end) and exits 143 at once; the resume redoes nothing and, step by step,
-    equals the run never interrupted (synchronous mode: each step's rollouts come from the step before)."""
-    whole, out, process = _whole_then_cut(tmp_path, ray_address, started, 0.5, "--seed", "4", "--ckpt.every", "0")
+    equals the run never interrupted (synchronous mode: each step's rollouts come from the step before).
+    Under LoRA the checkpoint holds the adapters, which the resumed trainer and engines take up."""
+    whole, out, process = _whole_then_cut(tmp_path, ray_address, started, 0.5, "--seed", "4", "--ckpt.every", "0",
+                                          *lora)
     signalled = time.time()
     process.send_signal(signal.SIGTERM)
     stdout, _ = process.communicate(timeout=60)

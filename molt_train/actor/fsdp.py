@@ -92,11 +92,12 @@ def shard_model(model: nn.Module, mesh=None, reshard_after_forward: bool = True,
     return model
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Unsharded parameters on every rank (a collective: all ranks must call it)."""
+def full_state_dict(model: nn.Module, frozen: bool = True) -> dict[str, torch.Tensor]:
+    """Unsharded parameters on every rank, without the frozen ones unless `frozen` (a collective: all ranks
+    must call it)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, ignore_frozen_params=not frozen))
 
 
 # ---------------------------------------------------------------------------- loading once per trainer

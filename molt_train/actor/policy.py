@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 
 from molt_agents.hf_model import as_model_input, load_model
-from molt_train.actor import automodel, fsdp
+from molt_train.actor import automodel, fsdp, lora
 from molt_train.actor.host_adamw import HostAdamW
 from molt_train.actor.routing_replay import RoutingReplay, freeze_routers, moe_routers
 from molt_train.algorithms.losses import entropy_from_logits
@@ -248,7 +248,11 @@ class PolicyRank:
         self.train_config, self.algo = train, algo
         self.chunk_tokens = actor.logprob_chunk_tokens
         self.device = fsdp.init_process_group(rank, world_size, init_method)
-        model = self._load(start_dir, actor.backend)
+        # LoRA: the model's weights are the run's model's; a resumed run's adapters are in `start_dir`.
+        self.lora, self.seed = (actor.lora if actor.lora.rank else None), config.seed
+        self.adapters = start_dir if self.lora and start_dir != model_dir else None
+        base_dir = model_dir if self.lora else start_dir
+        model = self._adapt(self._load(base_dir, actor.backend))
         if actor.freeze_moe_router:
             freeze_routers(model)
         # Routers of a MoE policy are hooked: to replay the engine's experts, and to measure agreement.
@@ -259,9 +263,9 @@ class PolicyRank:
         self.stochastic = stochastic(model)
         self.mesh = (automodel.device_mesh(actor.tensor_parallel, actor.context_parallel, actor.expert_parallel)
                      if actor.backend == "automodel" else None)
-        self.model = self._shard(model, start_dir, actor)
-        self.reference = None
-        if algo.kl_coef > 0:  # forwards only: nothing to recompute
+        self.model = self._shard(model, base_dir, actor)
+        self.reference = None  # under LoRA the reference is the model with its adapters off
+        if algo.kl_coef > 0 and not self.lora:  # forwards only: nothing to recompute
             self.reference = self._shard(self._load(model_dir, actor.backend), model_dir,
                                          replace(actor, activation_checkpointing="none"))
             self.reference.requires_grad_(False)
@@ -307,6 +311,16 @@ class PolicyRank:
         with fsdp.parameters_on_meta():
             return build(model_dir, torch.float32)
 
+    def _adapt(self, model):
+        """Under LoRA, `model` with the run's adapters (a resumed run's from its checkpoint; with several ranks
+        only rank 0's unsharded copy reads them, see `_checkpoint_state`); else `model`."""
+        if not self.lora:
+            return model
+        model = lora.with_adapters(model, self.lora, self.seed)
+        if self.adapters and self.world_size == 1:
+            lora.load_adapters(model, self.adapters)
+        return model
+
     def _shard(self, model, model_dir, actor: ActorConfig):
         """Shard with the actor's backend, in its compute dtype, checkpointing and offload. A model built on the
         meta device (several ranks) then takes the weights in `model_dir`: rank 0 alone reads them, in the dtype
@@ -323,13 +337,18 @@ class PolicyRank:
             fsdp.fill_from_rank0(model, state, torch.device("cpu") if offload else self.device)
         return model
 
-    @staticmethod
-    def _checkpoint_state(model, model_dir) -> dict[str, torch.Tensor]:
-        """The full state dict of `model` from the checkpoint in `model_dir`, in the dtype the checkpoint stores."""
+    def _checkpoint_state(self, model, model_dir) -> dict[str, torch.Tensor]:
+        """The full state dict of `model` from the checkpoint in `model_dir`, in the dtype the checkpoint stores
+        (under LoRA, with the run's adapters)."""
         dtype = fsdp.checkpoint_dtype(model_dir)
         if automodel.is_native(model):
             return automodel.native_state(model, model_dir, dtype)
-        return load_model(model_dir, dtype).state_dict()
+        unsharded = load_model(model_dir, dtype)
+        if self.lora:  # (no reference model is sharded under LoRA)
+            unsharded = lora.with_adapters(unsharded, self.lora, self.seed)
+            if self.adapters:
+                lora.load_adapters(unsharded, self.adapters)
+        return unsharded.state_dict()
 
     # ------------------------------------------------------------------
 
@@ -370,10 +389,11 @@ class PolicyRank:
 
     @torch.no_grad()
     def _reference_logprobs(self, mb: MicroBatch, shard: automodel.SequenceShard | None) -> torch.Tensor | None:
-        if self.reference is None:
+        if self.algo.kl_coef <= 0:
             return None
-        with shard.attend() if shard else nullcontext():
-            return token_logprobs(self.reference, mb, chunk_tokens=self.chunk_tokens, shard=shard,
+        reference = self.model if self.lora else self.reference
+        with self.model.disable_adapter() if self.lora else nullcontext(), shard.attend() if shard else nullcontext():
+            return token_logprobs(reference, mb, chunk_tokens=self.chunk_tokens, shard=shard,
                                   vocab_parallel=self.vocab_parallel)[0]
 
     def train(self, micro_batches: list[MicroBatch], prepared: list[Prepared] | None, step_tokens: int,
@@ -384,7 +404,7 @@ class PolicyRank:
         self.model.train()
         stats = StepStats(tokens=int(sum(mb.mask.sum() for mb in micro_batches)),
                           entropy_sum=0.0 if algo.entropy_coef > 0 else None,
-                          kl_sum=0.0 if self.reference is not None else None)
+                          kl_sum=0.0 if self.algo.kl_coef > 0 else None)
         olds = [p.old for p in prepared] if prepared is not None else []
         # Token-level aggregation over the optimizer step; FSDP averages over the data- and context-parallel
         # ranks, so scale back up (tensor-parallel ranks hold the same micro-batches; context-parallel ones
@@ -429,17 +449,23 @@ class PolicyRank:
     def full_weights(self, for_sync: bool = False) -> dict[str, torch.Tensor] | None:
         """The unsharded weights, on rank 0 (a collective: every rank calls it), as the model holds them (fp32
         for checkpoints); for the weight sync without the frozen ones and in the engines' dtype."""
-        state = fsdp.full_state_dict(self.model)
+        state = fsdp.full_state_dict(self.model, frozen=not for_sync)
         if self.rank != 0:
             return None
         weights = {}
         for key, value in state.items():
             if for_sync and key in self.frozen:
                 continue
-            for name, tensor in automodel.hf_tensors(self.model, key, value):
+            for name, tensor in self._engine_tensors(key, value):
                 dtype = sync_dtype(tensor.dtype, self.engine_dtype) if for_sync else tensor.dtype
                 weights[name] = tensor.detach().to("cpu", dtype, copy=True)
         return weights
+
+    def _engine_tensors(self, key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """One of the model's tensors as the engines name it: Hugging Face tensors, or an adapter's in PEFT's files."""
+        if self.lora:
+            return [(lora.file_key(key), tensor)]
+        return automodel.hf_tensors(self.model, key, tensor)
 
     def weight_meta(self):
         """Name, full shape and dtype (the engines', for floating-point ones) of every weight the engines load,
@@ -450,7 +476,7 @@ class PolicyRank:
             if key in self.frozen:
                 continue
             meta_tensor = torch.empty(value.shape, dtype=value.dtype, device="meta")
-            for name, meta in automodel.hf_tensors(self.model, key, meta_tensor):
+            for name, meta in self._engine_tensors(key, meta_tensor):
                 metas.append((name, meta))
                 self.sources[name] = key
         return sync_metas(tensor_meta(metas), self.engine_dtype)
@@ -463,28 +489,31 @@ class PolicyRank:
         self.buckets = plan_buckets(self.weight_meta(), bucket_bytes)
         self.channel = Channel(host, port, 0, size, self.device) if self.rank == 0 else None
 
-    def broadcast_weights(self) -> None:
+    def broadcast_weights(self) -> int:
         """Gather the full tensors bucket by bucket (a collective) and broadcast each bucket from rank 0 (the
-        channel casts them to the plan's dtypes)."""
-        state = self.model.state_dict()
+        channel casts them to the plan's dtypes); the bytes rank 0 sent."""
+        state, sent = self.model.state_dict(), 0
         for bucket in self.buckets:
             full = {}
             for key in dict.fromkeys(self.sources[meta.name] for meta, _ in bucket.entries):
-                full.update(automodel.hf_tensors(self.model, key, _full_tensor(state[key])))
+                full.update(self._engine_tensors(key, _full_tensor(state[key])))
             if self.channel is not None:
-                self.channel.send(bucket, full)
+                sent += self.channel.send(bucket, full)
+        return sent
 
     def save(self, directory: str) -> None:
-        """Policy in Hugging Face format, optimizer and scheduler state (rank 0 writes), and every
-        rank's random generator states."""
+        """Policy in Hugging Face format (under LoRA its adapters, in PEFT's format), optimizer and scheduler
+        state (rank 0 writes), and every rank's random generator states."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         directory = Path(directory)
-        weights = self.full_weights()
+        weights = fsdp.full_state_dict(self.model, frozen=False) if self.lora else self.full_weights()
         optimizer = get_optimizer_state_dict(self.model, self.optimizer,
                                              options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank == 0:
-            if automodel.is_native(self.model):
+            if self.lora:
+                self.model.save_pretrained(directory / "adapter", state_dict=weights, save_embedding_layers=False)
+            elif automodel.is_native(self.model):
                 from huggingface_hub import save_torch_state_dict
 
                 (directory / "policy").mkdir(parents=True, exist_ok=True)

@@ -28,6 +28,7 @@ from molt_train.plan.memory import (
     EngineMemory,
     TrainerMemory,
     engine_memory,
+    trained_params,
     trainer_memory,
 )
 from molt_train.plan.shape import Shape, shape, text_config
@@ -68,7 +69,7 @@ def host_memory(config: Config, model: dict, model_shape: Shape, layout: Layout,
     stored = DTYPE_BYTES.get(text.get("torch_dtype") or text.get("dtype") or "float32") or 4
     load_bytes = (stored if config.actor.world_size > 1 else 4) * model_shape.params
     hosts[layout.ranks[0][0]]["checkpoint read by rank 0"] = load_bytes
-    sync_bytes = model_shape.params * (DTYPE_BYTES[config.engine.dtype] or 4)
+    sync_bytes = trained_params(model_shape, config) * (DTYPE_BYTES[config.engine.dtype] or 4)
     if config.train.weight_sync == "object_store":
         hosts[layout.ranks[0][0]]["weights in Ray's object store"] = sync_bytes
     for node, _ in layout.engines:
@@ -234,13 +235,17 @@ def render(plan: Plan, model_path: str) -> str:
               for start, end in _runs([row[1] for row in rows], [row[0] for row in rows])]
     t = plan.trainer
     compute = "bf16" if actor.param_dtype == "bfloat16" else "fp32"
+    if actor.lora.rank:
+        lines.append(f"LoRA rank {actor.lora.rank} on {' '.join(actor.lora.target_modules)}: "
+                     f"{_count_of(trained_params(plan.shape, config))} adapter parameters train, the model's are frozen")
     lines += [f"trainer, per {kind} ({actor.backend}, {compute} compute, checkpointing "
               f"{actor.activation_checkpointing}, offload {actor.offload}, logprob chunks "
               f"{actor.logprob_chunk_tokens or 'off'})",
               _row(f"parameters (fp32, 1/{actor.world_size} each)", t.params),
               _row("gradients (fp32)", t.grads),
               _row("optimizer (AdamW moments, fp32)", t.optimizer),
-              _row(f"reference model (kl_coef {config.algo.kl_coef:g})", t.reference),
+              _row("reference model (LoRA: adapters off)" if actor.lora.rank else f"reference model (kl_coef {config.algo.kl_coef:g})",
+                   t.reference),
               _row(f"gathered by FSDP ({compute}: root + 2 blocks)", t.gathered),
               _row(f"activations ({t.micro_batch_tokens} tokens{' / CP' if actor.context_parallel > 1 else ''})",
                    t.activations)]
@@ -270,7 +275,9 @@ def render(plan: Plan, model_path: str) -> str:
               f"  {episodes} episodes ({rollout.groups_per_step} groups x {rollout.group_size}), up to "
               f"{rollout.max_tokens} sampled tokens per turn and {rollout.max_total_tokens} tokens per episode",
               f"  up to {trained:,} tokens trained, {-(-trained // config.train.micro_batch_tokens):,} micro-batches "
-              f"of {config.train.micro_batch_tokens} tokens over {actor.data_parallel} data-parallel replica(s)"]
+              f"of {config.train.micro_batch_tokens} tokens over {actor.data_parallel} data-parallel replica(s)",
+              f"  a weight sync sends {_size(trained_params(plan.shape, config) * (DTYPE_BYTES[engine.dtype] or 4))}"
+              f" GB ({'the LoRA adapters' if actor.lora.rank else 'every weight'}, {engine.dtype})"]
     return "\n".join(lines)
 
 
@@ -302,6 +309,11 @@ def _count(description: str) -> int:
 
 def _count_of(params: int) -> str:
     return f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.2f}M"
+
+
+def _size(nbytes: float) -> str:
+    """GB to three significant digits, whole GB from 1000 on."""
+    return f"{nbytes / GB:.3g}" if nbytes < 1000 * GB else f"{nbytes / GB:,.0f}"
 
 
 def _row(name: str, value: float) -> str:

@@ -7,6 +7,12 @@ Pure arithmetic, no torch. What each term counts, per trainer rank:
   reference's fp32 parameters; all sharded over the world size (FSDP2, with
   tensor and expert parallelism folded in). `offload optimizer` moves the
   moments (and a host master copy) to the host, `offload full` everything.
+- **LoRA** (`actor.lora.rank`): the model's parameters stay (fp32, sharded,
+  frozen), and only the adapters have gradients and moments; no reference
+  copy (the reference is the model with its adapters off). `lora_params`
+  counts the adapters of the attention and dense MLP projections that
+  `actor.lora.target_modules` names (MLA attention and routed experts are
+  not counted).
 - **gathered**: FSDP2's unsharded copies in the compute dtype: the root unit
   (embeddings, head) and two decoder blocks (the one computing and the one
   prefetched); the experts of a block gathered over their expert-parallel
@@ -92,9 +98,9 @@ def trainer_memory(shape: Shape, config: Config) -> TrainerMemory:
     actor, train = config.actor, config.train
     world, tp, cp, ep = actor.world_size, actor.tensor_parallel, actor.context_parallel, actor.expert_parallel
     compute = 2 if actor.param_dtype == "bfloat16" else 4
-    shard = shape.params / world
-    params, grads, moments = 4 * shard, 4 * shard, 8 * shard
-    reference = 4 * shard if config.algo.kl_coef > 0 else 0.0
+    shard, trained = shape.params / world, trained_params(shape, config) / world
+    params, grads, moments = 4 * (shard + (trained if actor.lora.rank else 0)), 4 * trained, 8 * trained
+    reference = 4 * shard if config.algo.kl_coef > 0 and not actor.lora.rank else 0.0
     host = 0.0
     if actor.offload == "optimizer":
         host, moments = moments + 4 * shard, 0.0  # moments and the host master copy
@@ -108,6 +114,28 @@ def trainer_memory(shape: Shape, config: Config) -> TrainerMemory:
     tokens = max(train.micro_batch_tokens, config.rollout.max_total_tokens)
     activations = activation_bytes(shape, config, -(-tokens // cp), compute)
     return TrainerMemory(params, grads, moments, reference, gathered, activations, host, tokens)
+
+
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_params(shape: Shape, rank: int, target_modules: list[str]) -> int:
+    """Parameters of rank-`rank` adapters on the attention and dense MLP projections named in `target_modules`
+    (or all-linear), in every decoder block: rank x (inputs + outputs) each."""
+    q, kv, out = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.heads * shape.value_dim
+    sizes = {"q_proj": shape.hidden + q, "k_proj": shape.hidden + kv, "v_proj": shape.hidden + shape.kv_heads
+             * shape.value_dim, "o_proj": out + shape.hidden}
+    mlp = {name: shape.hidden + shape.intermediate for name in ("gate_proj", "up_proj", "down_proj")}
+    names = set(LINEAR_NAMES) if list(target_modules) == ["all-linear"] else set(target_modules)
+    attention = sum(size for name, size in sizes.items() if name in names)
+    dense = sum(size for name, size in mlp.items() if name in names)
+    return rank * (shape.layers * attention + (shape.layers - shape.moe_layers) * dense)
+
+
+def trained_params(shape: Shape, config: Config) -> int:
+    """The parameters the trainer trains, and a weight sync sends: the adapters under LoRA, else all."""
+    lora = config.actor.lora
+    return lora_params(shape, lora.rank, lora.target_modules) if lora.rank else shape.params
 
 
 def block_bytes_per_token(shape: Shape, compute: int, tp: int, moe: bool) -> float:

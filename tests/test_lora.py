@@ -236,3 +236,66 @@ def test_the_engines_serve_the_trainers_adapters_token_exact(tmp_path, ray_addre
     checkpoint = tmp_path / "lora" / "checkpoints" / "step_000004"
     assert (checkpoint / "adapter" / "adapter_model.safetensors").exists()
     assert (checkpoint / "adapter" / "tokenizer.json").exists() and not (checkpoint / "policy").exists()
+
+
+def _serve_one_reply(adapter, trajectories) -> dict:
+    """`molt-serve --lora adapter`: one chat reply through the stock client; the trajectory it captured."""
+    import httpx
+    import openai
+
+    process = subprocess.Popen([sys.executable, "-m", "molt_agents.serve", "--lora", str(adapter), "--api-key", "k",
+                                "--trajectories", str(trajectories), "--max-model-len", "512"],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        lines = []
+        while not any(line.startswith("API key") for line in lines):
+            line = process.stdout.readline()
+            assert line, "molt-serve exited before it printed its key"
+            lines.append(line)
+        assert any(line.startswith("molt-serve: model") and f"with the LoRA adapter {adapter}" in line
+                   for line in lines), lines
+        base = next(line.split()[-1] for line in lines if line.startswith("base URL"))
+        client = openai.OpenAI(base_url=base.replace("<session>", "s"), api_key="k", max_retries=0)
+        client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Say 7."}], max_tokens=8,
+                                       seed=0)
+        httpx.post(base.replace("<session>/v1", "s/finish"), json={"reward": 0.0}, headers={"Authorization": "Bearer k"})
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    (record,) = [json.loads(line) for line in trajectories.read_text().splitlines()]
+    return record
+
+
+def test_a_lora_checkpoint_is_served_merged_and_evaluated(tmp_path, ray_address):
+    """The adapters a run saved: `molt-serve --lora` samples with them (its logprobs are PEFT's on the run's
+    model, not the model's own), `molt-merge` writes full weights that give the same logprobs, and
+    `molt-eval` scores the run."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from molt_agents.hf_model import adapter_base, load_model
+
+    out = tmp_path / "run"
+    _train(out, ray_address, "--steps", "3", "--train.async_queue_size", "0", "--actor.lora.rank", "8",
+           "--train.lr", "1e-2")
+    adapter = out / "checkpoints" / "step_000003" / "adapter"
+    record = _serve_one_reply(adapter, tmp_path / "served.jsonl")
+    ids = torch.tensor(record["token_ids"])
+    sampled = torch.tensor(record["mask"], dtype=torch.bool)
+    served = torch.tensor([lp if lp is not None else 0.0 for lp in record["logprobs"]])
+    base = adapter_base(adapter)
+    with torch.no_grad():
+        peft = _token_logprobs(PeftModel.from_pretrained(load_model(base, torch.float32), adapter), ids)
+        plain = _token_logprobs(load_model(base, torch.float32), ids)
+        subprocess.run([sys.executable, "-m", "molt_train.merge", str(out), "--out", str(tmp_path / "merged")],
+                       check=True, capture_output=True, timeout=300)
+        merged = _token_logprobs(AutoModelForCausalLM.from_pretrained(tmp_path / "merged"), ids)
+    gaps = {name: float((served - values)[sampled].abs().max()) for name, values in
+            (("PEFT", peft), ("the model alone", plain))}
+    print(f"molt-serve --lora: {int(sampled.sum())} sampled tokens, logprobs vs {gaps}; merged vs PEFT "
+          f"{float((merged - peft).abs().max()):.2e}")
+    assert sampled.sum() > 0 and gaps["PEFT"] < 1e-4 and gaps["the model alone"] > 1e-2
+    assert float((merged - peft).abs().max()) < 1e-5 and (tmp_path / "merged" / "tokenizer.json").exists()
+    result = subprocess.run([sys.executable, "-m", "molt_train.eval_cli", "--model", str(out), "--eval.episodes", "8"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "molt-eval: digit, 8 episodes" in result.stdout, result.stderr[-3000:]

@@ -258,7 +258,9 @@ class PolicyRank:
         # Routers of a MoE policy are hooked: to replay the engine's experts, and to measure agreement.
         self.routing = RoutingReplay(model, train.routing_replay) if moe_routers(model) else None
         origin = "NeMo AutoModel's own" if automodel.is_native(model) else "transformers'"
-        self.description = f"{origin} {type(model).__name__} on {world_size} {actor.backend} rank(s)"
+        name = f"{type(model.get_base_model()).__name__} with rank-{self.lora.rank} LoRA adapters" if self.lora \
+            else type(model).__name__
+        self.description = f"{origin} {name} on {world_size} {actor.backend} rank(s)"
         self.frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
         self.stochastic = stochastic(model)
         self.mesh = (automodel.device_mesh(actor.tensor_parallel, actor.context_parallel, actor.expert_parallel)

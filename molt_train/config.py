@@ -141,7 +141,11 @@ class AlgoConfig:
     is_high: float = 2.0
     """Upper edge of the importance-sampling band."""
     filter_zero_variance: bool = False
-    """Drop groups whose rewards are all equal (DAPO's dynamic sampling; for group-baseline estimators)."""
+    """Drop groups whose rewards are all equal: they carry no advantage (for group-baseline estimators)."""
+    max_extra_groups: int = 0
+    """DAPO's dynamic sampling, with filter_zero_variance: per step, up to this many more groups are sampled
+    in place of groups whose rewards are all equal, so that the step trains groups_per_step groups that
+    carry advantage where it can."""
 
 
 @dataclass
@@ -329,7 +333,8 @@ def validate(config: Config) -> None:
     for flag, least in (("steps", 1), ("rollout.group_size", 1), ("rollout.groups_per_step", 1),
                         ("rollout.max_tokens", 1), ("rollout.max_failed_steps", 0), ("train.async_queue_size", 0),
                         ("train.warmup_steps", 0), ("train.sync_bucket_mb", 1), ("train.updates_per_batch", 1),
-                        ("actor.world_size", 1), ("algo.max_staleness", 0), ("ckpt.every", 0),
+                        ("actor.world_size", 1), ("algo.max_staleness", 0), ("algo.max_extra_groups", 0),
+                        ("ckpt.every", 0),
                         ("engine.data_parallel_size", 1), ("engine.tensor_parallel_size", 1)):
         need(functools.reduce(getattr, flag.split("."), config) >= least, flag, f"must be >= {least}")
     if config.actor.colocate:
@@ -351,6 +356,8 @@ def validate(config: Config) -> None:
     _validate_actor_parallel(config.actor, need)
     _validate_lora(config, need)
     need(config.algo.is_low <= config.algo.is_high, "algo.is_low", "must be <= --algo.is_high")
+    need(not config.algo.max_extra_groups or config.algo.filter_zero_variance, "algo.max_extra_groups",
+         "replaces the groups --algo.filter_zero_variance drops: set it true")
     need(config.eval.every >= 0, "eval.every", "must be >= 0 (0: not during training)")
     validate_eval(config.eval, need)
     engine = config.engine

@@ -145,7 +145,11 @@ def check(command: EvalCommand, config: Config) -> None:
     if command.base_url:
         _reachable(command.base_url.replace("<session>", "molt-eval"))
     else:
-        resolve_from_model(config, served(policy_dir(command.model))[0], gpu_engines=gpu_engines(config))
+        model, adapter = served(policy_dir(command.model))
+        if adapter and config.engine.name != "vllm":
+            raise ConfigError(f"--engine.name {config.engine.name}: {command.model} holds LoRA adapters, which "
+                              "vLLM's LoRA serves: use vllm (or molt-merge them into full weights first)")
+        resolve_from_model(config, model, gpu_engines=gpu_engines(config))
 
 
 def policy_dir(model: str) -> Path:

@@ -109,6 +109,7 @@ async def train(config, run_dir: Path, model_dir: str, console: Console) -> None
                       "time/sync": synced, "sync/bytes": runtime.sync_bytes if items else 0,
                       "time/step": ended - started, "time/elapsed": ended - began,
                       "rollouts/lost_groups": runtime.groups.take_lost(),
+                      "rollouts/replaced_groups": runtime.groups.take_replaced(),
                       "throughput/tokens_per_s": stats["tokens/trained"] / max(ended - started, 1e-9)}
             metrics.log(step, stats)
             progress.update(1)

@@ -238,12 +238,19 @@ def engine_options(engine, colocate: bool = False) -> dict:
 
 
 class GroupStream:
-    """Finished groups from the workers, in completion order, with a bounded look-ahead."""
+    """Finished groups from the workers, in completion order, with a bounded look-ahead.
+
+    Dynamic sampling (DAPO's, with `max_extra` > 0): a finished group whose rewards are all equal carries no
+    advantage; while the step's budget of `max_extra` extra groups lasts, it is set aside and another group
+    is started in its place, so that the step gets `groups_per_step` informative groups where it can. Once
+    the budget is spent such groups fill the step as they come (the batch's filter drops them). The groups
+    set aside are consumed (never redone on resume)."""
 
     def __init__(self, workers, group_size: int, groups_per_step: int, queue_size: int, seed: int,
-                 next_index: int = 0, redo: list[int] | None = None, recover=None):
+                 next_index: int = 0, redo: list[int] | None = None, recover=None, max_extra: int = 0):
         """`recover()` is awaited when a worker died under a group: it brings restarted workers up to the run."""
-        self.workers, self.group_size, self.recover = workers, group_size, recover
+        self.workers, self.group_size, self.recover, self.max_extra = workers, group_size, recover, max_extra
+        self.replaced = 0  # groups set aside by dynamic sampling, since the last `take_replaced`
         self.groups_per_step, self.queue_size, self.seed = groups_per_step, queue_size, seed
         self.next_index = next_index
         self.redo = sorted(redo or ())  # groups started but not trained before a resume
@@ -271,9 +278,10 @@ class GroupStream:
         ref = worker.groups.remote([(index, self.env_seed(index)) for index in indices], self.group_size)
         self.in_flight[asyncio.ensure_future(ref)] = indices
 
-    def fill(self) -> None:
-        """Keep groups in flight: this step's, plus the look-ahead in async mode."""
-        while (missing := self.groups_per_step + self.queue_size - self._pending() - len(self.done)) > 0:
+    def fill(self, held: int = 0) -> None:
+        """Keep groups in flight: this step's (less the `held` ones `take` holds already), plus the look-ahead in
+        async mode."""
+        while (missing := self.groups_per_step + self.queue_size - self._pending() - len(self.done) - held) > 0:
             self._submit(min(missing, self.chunk_size))
 
     def _pending(self) -> int:
@@ -282,7 +290,17 @@ class GroupStream:
     async def take(self) -> list[Group]:
         """The next step's groups (waits for them); starts the groups that replace them."""
         self.fill()
-        while len(self.done) < self.groups_per_step:
+        batch, extra = [], 0
+        while True:
+            while self.done and len(batch) < self.groups_per_step:
+                group = self.done.pop(0)
+                if extra < self.max_extra and len({t.reward for t in group.trajectories}) <= 1:
+                    extra += 1
+                    self._submit(1)  # in its place
+                else:
+                    batch.append(group)
+            if len(batch) == self.groups_per_step:
+                break
             finished, _ = await asyncio.wait(list(self.in_flight), return_when=asyncio.FIRST_COMPLETED)
             lost = 0
             for future in finished:
@@ -296,11 +314,16 @@ class GroupStream:
                 self.lost += lost
                 if self.recover is not None:
                     await self.recover()
-                self.fill()
-        batch, self.done = self.done[: self.groups_per_step], self.done[self.groups_per_step:]
+                self.fill(len(batch))
+        self.replaced += extra
         if self.queue_size:
             self.fill()  # async: the next groups generate while this step trains
         return batch
+
+    def take_replaced(self) -> int:
+        """Groups set aside by dynamic sampling since the last call."""
+        replaced, self.replaced = self.replaced, 0
+        return replaced
 
     def take_lost(self) -> int:
         """Groups lost with a dead worker since the last call."""

@@ -116,7 +116,7 @@ class Runtime:
         data = state["data"]
         self.groups = GroupStream(self.workers, config.rollout.group_size, config.rollout.groups_per_step,
                                   config.train.async_queue_size, config.seed, data["next_index"], data["redo"],
-                                  recover=self.check_workers)
+                                  recover=self.check_workers, max_extra=config.algo.max_extra_groups)
         return self
 
     async def _open_channel(self) -> None:

@@ -299,3 +299,6 @@ def test_a_lora_checkpoint_is_served_merged_and_evaluated(tmp_path, ray_address)
     result = subprocess.run([sys.executable, "-m", "molt_train.eval_cli", "--model", str(out), "--eval.episodes", "8"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "molt-eval: digit, 8 episodes" in result.stdout, result.stderr[-3000:]
+    refused = subprocess.run([sys.executable, "-m", "molt_train.eval_cli", "--model", str(out), "--engine.name", "hf"],
+                             capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "holds LoRA adapters" in refused.stderr, refused.stderr[-2000:]

@@ -65,6 +65,17 @@ def test_partial_rollout_off_finishes_requests_on_the_old_weights(tmp_path, ray_
     assert sum(r["tokens/trained"] for r in rows) > 0
 
 
+def test_dynamic_sampling_trains_only_groups_that_carry_advantage(tmp_path, ray_address):
+    """The untrained default task: most groups of 4 score all 0 at first. Replaced while the budget of 32
+    extra groups a step lasts, none of them reaches the trainer."""
+    rows = _train(tmp_path / "dynamic", ray_address, "--steps", "3", "--algo.filter_zero_variance", "true",
+                  "--algo.max_extra_groups", "32")
+    print("replaced groups per step", [r["rollouts/replaced_groups"] for r in rows],
+          "zero-variance fraction trained", [r["filter/zero_variance_frac"] for r in rows])
+    assert sum(r["rollouts/replaced_groups"] for r in rows) > 0
+    assert all(r["filter/zero_variance_frac"] == 0 for r in rows if r["rollouts/replaced_groups"] < 32)
+
+
 def test_two_rank_fsdp2_trainer_and_its_checkpoint_loads_in_vllm(tmp_path, ray_address, vllm_engines):
     from transformers import AutoModelForCausalLM
 

@@ -223,6 +223,52 @@ def test_a_step_of_groups_goes_to_each_worker_in_one_call_and_a_lost_call_is_pla
     assert stream.position() == {"next_index": 12, "redo": []}
 
 
+@pytest.mark.parametrize("queue_size", [0, 4])
+def test_dynamic_sampling_replaces_groups_without_advantage_within_the_steps_budget(queue_size):
+    """The stream's bookkeeping over a stand-in worker (as above): group i scores 1, 0, 0, ... when i is a
+    multiple of 3, else all 0. Four groups a step, up to three extra. Synchronous: step 1 takes groups 0 and
+    3, sets aside 1 and 2 and starts 4 and 5 in their place; of those (both without advantage) one is set
+    aside, the budget's last, and 6 replaces it; the other fills the step. Step 2 starts 7-10 and sets aside
+    7, 8 and 10 (its budget is three again) for 11-13, which fill the step with 9 whatever they score."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from molt_train.batch import Group
+    from molt_train.rollout import GroupStream
+
+    def rewards(index):
+        return [1.0, 0.0, 0.0] if index % 3 == 0 else [0.0, 0.0, 0.0]
+
+    class Worker:
+        def __init__(self):
+            self.started = []
+            self.groups = self
+
+        def remote(self, chunk, size):
+            self.started += [index for index, _ in chunk]
+            future = asyncio.get_running_loop().create_future()
+            future.set_result([Group(index, [SimpleNamespace(reward=r) for r in rewards(index)], [])
+                               for index, _ in chunk])
+            return future
+
+    async def run():
+        worker = Worker()
+        stream = GroupStream([worker], group_size=3, groups_per_step=4, queue_size=queue_size, seed=0, max_extra=3)
+        first = await stream.take()
+        replaced_first = stream.take_replaced()
+        second = await stream.take()
+        return worker, first, replaced_first, second, stream.take_replaced()
+
+    worker, first, replaced_first, second, replaced_second = asyncio.run(run())
+    informative = [[g.index % 3 == 0 for g in batch] for batch in (first, second)]
+    assert len(first) == len(second) == 4 and replaced_first == replaced_second == 3
+    assert sum(informative[0]) == 3 and {0, 3, 6} <= {g.index for g in first}
+    assert len(worker.started) == len(set(worker.started))  # no group started twice
+    if queue_size == 0:  # each step's groups and their replacements, nothing ahead
+        assert sorted(g.index for g in second) == [9, 11, 12, 13] and sum(informative[1]) == 2
+        assert sorted(worker.started) == list(range(14))
+
+
 def test_an_agent_that_fails_every_episode_ends_the_run_in_one_line_naming_the_exception(tmp_path, ray_address):
     agent = tmp_path / "broken_agent.py"
     agent.write_text("from molt_agents.agent import ChatAgent\n"

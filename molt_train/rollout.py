@@ -303,7 +303,7 @@ class GroupStream:
                 break
             finished, _ = await asyncio.wait(list(self.in_flight), return_when=asyncio.FIRST_COMPLETED)
             lost = 0
-            for future in finished:
+            for future in [f for f in self.in_flight if f in finished]:  # in the order they were started
                 indices = self.in_flight.pop(future)
                 try:
                     self.done += future.result()

@@ -7,6 +7,7 @@ model therefore share one engine (about 2 s to start, plus the import).
 """
 
 import asyncio
+import contextlib
 import os
 
 import pytest
@@ -79,6 +80,28 @@ def vllm_moe(vllm_engines, moe_dir):
 def run(coroutine):
     """Run a coroutine to completion from a sync test."""
     return asyncio.run(coroutine)
+
+
+@contextlib.contextmanager
+def molt_serve(*args):
+    """`molt-serve *args` as a user starts it (a subprocess): yields its start-up lines (through "API key")
+    and its base URL (`.../s/<session>/v1`, as printed); stopped on exit."""
+    import re
+    import subprocess
+    import sys
+
+    process = subprocess.Popen([sys.executable, "-m", "molt_agents.serve", *args], stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL, text=True)
+    try:
+        lines = []
+        while not any(line.startswith("API key") for line in lines):
+            line = process.stdout.readline()
+            assert line, "molt-serve exited before it printed its key"
+            lines.append(line)
+        yield lines, re.search(r"base URL: (\S+)", "".join(lines)).group(1)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
 
 
 async def long_request(engine, prompt, max_tokens: int):

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import molt_serve
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -217,21 +218,10 @@ def test_molt_eval_gives_a_checkpoint_and_its_molt_serve_endpoint_the_same_greed
     assert re.search(r"molt-eval: .*12 episodes x 1 at temperature 0.0: reward \d\.\d{3}", local.stdout)
     assert "molt-eval" in local.stderr and "12/12" in local.stderr  # the progress bar
 
-    serve = subprocess.Popen([sys.executable, "-m", "molt_agents.serve", "--model", str(checkpoint / "policy"),
-                              "--api-key", "k3y", "--max-model-len", "512"],
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        lines = []
-        while not any(line.startswith("API key") for line in lines):
-            line = serve.stdout.readline()
-            assert line, "molt-serve exited before it printed its key"
-            lines.append(line)
-        base_url = re.search(r"base URL: (\S+)", "".join(lines)).group(1)  # .../s/<session>/v1, as printed
+    with molt_serve("--model", str(checkpoint / "policy"), "--api-key", "k3y", "--max-model-len", "512") as (_,
+                                                                                                            base_url):
         _eval("--model", "policy", "--base-url", base_url, "--api-key", "k3y", *common,
               "--out", str(tmp_path / "served.json"))
-    finally:
-        serve.terminate()
-        serve.wait(timeout=30)
 
     local, served = (json.loads((tmp_path / name).read_text()) for name in ("local.json", "served.json"))
     assert local["model"] == str(checkpoint / "policy") and served["base_url"] == base_url

@@ -242,26 +242,16 @@ def _serve_one_reply(adapter, trajectories) -> dict:
     """`molt-serve --lora adapter`: one chat reply through the stock client; the trajectory it captured."""
     import httpx
     import openai
+    from conftest import molt_serve
 
-    process = subprocess.Popen([sys.executable, "-m", "molt_agents.serve", "--lora", str(adapter), "--api-key", "k",
-                                "--trajectories", str(trajectories), "--max-model-len", "512"],
-                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        lines = []
-        while not any(line.startswith("API key") for line in lines):
-            line = process.stdout.readline()
-            assert line, "molt-serve exited before it printed its key"
-            lines.append(line)
+    with molt_serve("--lora", str(adapter), "--api-key", "k", "--trajectories", str(trajectories),
+                    "--max-model-len", "512") as (lines, base):
         assert any(line.startswith("molt-serve: model") and f"with the LoRA adapter {adapter}" in line
                    for line in lines), lines
-        base = next(line.split()[-1] for line in lines if line.startswith("base URL"))
         client = openai.OpenAI(base_url=base.replace("<session>", "s"), api_key="k", max_retries=0)
         client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Say 7."}], max_tokens=8,
                                        seed=0)
         httpx.post(base.replace("<session>/v1", "s/finish"), json={"reward": 0.0}, headers={"Authorization": "Bearer k"})
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
     (record,) = [json.loads(line) for line in trajectories.read_text().splitlines()]
     return record
 

@@ -1,27 +1,18 @@
 """`molt-serve` as a user starts it: a subprocess, a stock client, trajectories on disk."""
 
 import json
-import re
 import subprocess
 import sys
 
 import httpx
 import openai
 import pytest
+from conftest import molt_serve
 
 
 def test_molt_serve_captures_sessions_to_a_file(tmp_path):
     out = tmp_path / "trajectories.jsonl"
-    process = subprocess.Popen([sys.executable, "-m", "molt_agents.serve", "--api-key", "k3y",
-                                "--trajectories", str(out), "--max-model-len", "512"],
-                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        lines = []
-        while not any(line.startswith("API key") for line in lines):
-            line = process.stdout.readline()
-            assert line, "molt-serve exited before it printed its key"
-            lines.append(line)
-        base = re.search(r"base URL: (\S+)", "".join(lines)).group(1)
+    with molt_serve("--api-key", "k3y", "--trajectories", str(out), "--max-model-len", "512") as (_, base):
         assert base.endswith("/s/<session>/v1")
         client = openai.OpenAI(base_url=base.replace("<session>", "mine"), api_key="k3y", max_retries=0)
         reply = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}],
@@ -29,9 +20,6 @@ def test_molt_serve_captures_sessions_to_a_file(tmp_path):
         finish = httpx.post(base.replace("<session>/v1", "mine/finish"), json={"reward": 0.75},
                             headers={"Authorization": "Bearer k3y"})
         assert finish.json()["segments"] == 2
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 2
     for record in records:

@@ -9,9 +9,12 @@ model's copy of a digit away from the tool's reply); the tool replies with
 a sentence that holds the digit inside ("It holds 5.": the asked locker's
 or, for a wrong number, another one's). A reply without a tool call is the
 final answer: reward 1 when it starts with the asked locker's digit (as
-`digit` grades), else 0; a digit further on does not count, so a broken tool
-call that carries the digit scores nothing. Running out of turns truncates
-the episode with reward 0.
+`digit` grades) and a `lookup` call of the episode opened that locker, else
+0. An answer the episode never read pays nothing: a guess, right one time
+in ten, would pay about what an untrained call pays, and a run could learn
+to stop calling. A digit further on does not count, so a broken tool call
+that carries the digit scores nothing. Running out of turns truncates the
+episode with reward 0.
 
 What a policy must learn is the task's own mapping: which number to call
 with for a letter (1 in 9 by chance) and to answer with what the tool
@@ -21,7 +24,8 @@ call), `right_id` (its first `lookup` call named the asked locker) and
 `read_result` (the answer starts with the digit the last `lookup` returned).
 
 `BlankLocker` is the control: the same task with the tool's output blanked,
-so that nothing read can tell the answer.
+so that nothing read can tell the answer: it earns only the one time in ten
+that its guess after opening the asked locker is right.
 """
 
 from __future__ import annotations
@@ -83,7 +87,7 @@ class Locker(Env):
         self.turns += 1
         _, calls = parse_reply(action)
         if not calls:  # the final answer
-            reward = float(first_char(action) == str(self.answer))
+            reward = float(first_char(action) == str(self.answer) and self.locker in self.numbers)
             self.read_result = self.shown is not None and first_char(action) == str(self.shown)
             return "", reward, True, False, self.facts()
         results = [{"role": "tool", "tool_call_id": call["id"], "name": call["function"]["name"],

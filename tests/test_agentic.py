@@ -185,8 +185,15 @@ def test_locker_tool_and_its_blank_control(env_class, blanked):
     assert wrong[0]["content"].startswith("[error] arguments must be")
     assert env.step('<tool_call>\n{"name": "open", "arguments": {}}\n</tool_call>')[3]  # the turn budget
     env.reset(seed=5)
+    assert env.step(f" {info['answer']}.")[1:3] == (0.0, True)  # right, but a guess: no locker opened
+    env.reset(seed=5)
+    env.step(call % (info["locker"] % 9 + 1))  # another locker opened: the right digit is still a guess
+    assert env.step(str(info["answer"]))[1:3] == (0.0, True)
+    env.reset(seed=5)
+    env.step(call % info["locker"])
     assert env.step(f" {info['answer']}.")[1:3] == (1.0, True)
     env.reset(seed=5)
+    env.step(call % info["locker"])
     assert env.step(str((info["answer"] + 1) % 10))[1:3] == (0.0, True)
     env.reset(seed=5)  # the digit must open the answer: not inside a broken call, nor after words
     assert env.step('okup", "arguments": {"slot": %d}}' % info["answer"])[1:3] == (0.0, True)

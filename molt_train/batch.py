@@ -18,6 +18,7 @@ import torch
 from molt_env.trajectory import Trajectory, validate
 from molt_train.algorithms.advantages import ESTIMATORS, zero_variance_groups
 from molt_train.algorithms.off_policy import stale_tokens
+from molt_train.algorithms.overlong import overlong_penalty
 from molt_train.config import AlgoConfig
 from molt_train.packing import TrainItem
 
@@ -102,19 +103,37 @@ def _age_stats(trajectories: list[Trajectory], version: int) -> dict:
 
 
 def _advantages(rollouts: list[Rollout], algo: AlgoConfig) -> tuple[list[float], list[bool], dict]:
-    """One advantage per rollout from its reward and its group's, and whether the rollout carries signal
-    (False for a group of equal rewards when `filter_zero_variance` is on)."""
+    """One advantage per rollout from its reward (less its overlong penalty) and its group's, and whether the
+    rollout trains: False for a group of equal rewards when `filter_zero_variance` is on, and for an episode
+    cut short under `mask_truncated` (its reward still counts in its group's baseline)."""
     if not rollouts:
         return [], [], {}
     rewards = torch.tensor([rollout[0].reward for rollout in rollouts], dtype=torch.float32)
     group_of = {g: i for i, g in enumerate(sorted({rollout[0].group_id for rollout in rollouts}))}
     groups = torch.tensor([group_of[rollout[0].group_id] for rollout in rollouts])
     lengths = torch.tensor([_trainable(rollout) for rollout in rollouts], dtype=torch.float32)
+    stats = {}
+    if algo.overlong_buffer:
+        penalty = overlong_penalty(lengths, algo.overlong_limit, algo.overlong_buffer, algo.overlong_penalty)
+        rewards = rewards + penalty
+        stats |= {"overlong/penalty_mean": float(penalty.mean()),
+                  "overlong/penalized_frac": float((penalty < 0).float().mean())}
     advantages = ESTIMATORS[algo.estimator](rewards, groups, lengths).tolist()
-    if not algo.filter_zero_variance:
-        return advantages, [True] * len(rollouts), {}
-    flat = zero_variance_groups(rewards, groups)
-    return advantages, (~flat).tolist(), {"filter/zero_variance_frac": float(flat.float().mean())}
+    trains = torch.ones(len(rollouts), dtype=torch.bool)
+    if algo.mask_truncated:
+        cut = torch.tensor([_cut_short(rollout) for rollout in rollouts])
+        trains &= ~cut
+        stats["overlong/masked_frac"] = float(cut.float().mean())
+    if algo.filter_zero_variance:
+        flat = zero_variance_groups(rewards, groups)
+        trains &= ~flat
+        stats["filter/zero_variance_frac"] = float(flat.float().mean())
+    return advantages, trains.tolist(), stats
+
+
+def _cut_short(rollout: Rollout) -> bool:
+    """The episode hit a turn or token budget, or its last reply was cut at max_tokens."""
+    return rollout[0].truncated or rollout[-1].finish_reason == "length"
 
 
 def _bound_staleness(rollouts: list[Rollout], version: int,

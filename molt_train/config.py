@@ -146,6 +146,17 @@ class AlgoConfig:
     """DAPO's dynamic sampling, with filter_zero_variance: per step, up to this many more groups are sampled
     in place of groups whose rewards are all equal, so that the step trains groups_per_step groups that
     carry advantage where it can."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment (0: off): an episode that generates more than overlong_limit minus this
+    many tokens loses reward linearly, up to overlong_penalty at overlong_limit and beyond."""
+    overlong_limit: int = 0
+    """The episode's generated tokens (all its turns) at which the overlong penalty is whole (DAPO: the
+    maximum response length, e.g. --rollout.max_tokens for a single turn)."""
+    overlong_penalty: float = 1.0
+    """The overlong penalty at and beyond overlong_limit."""
+    mask_truncated: bool = False
+    """Episodes cut short (the last reply cut at max_tokens, or a turn or token budget hit) train no token;
+    their rewards still count in their group's baseline (DAPO's overlong filtering)."""
 
 
 @dataclass
@@ -358,6 +369,12 @@ def validate(config: Config) -> None:
     need(config.algo.is_low <= config.algo.is_high, "algo.is_low", "must be <= --algo.is_high")
     need(not config.algo.max_extra_groups or config.algo.filter_zero_variance, "algo.max_extra_groups",
          "replaces the groups --algo.filter_zero_variance drops: set it true")
+    algo = config.algo
+    need(algo.overlong_buffer >= 0, "algo.overlong_buffer", "must be >= 0 (0: no overlong penalty)")
+    need(not algo.overlong_buffer or algo.overlong_limit >= algo.overlong_buffer, "algo.overlong_limit",
+         f"must be >= --algo.overlong_buffer {algo.overlong_buffer}: the generated tokens of an episode at which "
+         "the penalty is whole (DAPO: the maximum response length)")
+    need(algo.overlong_penalty >= 0, "algo.overlong_penalty", "must be >= 0 (it is subtracted)")
     need(config.eval.every >= 0, "eval.every", "must be >= 0 (0: not during training)")
     validate_eval(config.eval, need)
     engine = config.engine

@@ -11,6 +11,7 @@ from molt_train.algorithms.advantages import ESTIMATORS, kl_penalized_advantages
 from molt_train.algorithms.losses import entropy_from_logits, gspo_loss, kl, ppo_clip_loss
 from molt_train.algorithms.objective import objective
 from molt_train.algorithms.off_policy import importance_weights, mismatch, stale_tokens
+from molt_train.algorithms.overlong import overlong_penalty
 
 T = torch.tensor
 # Two groups of two rollouts: rewards 1, 0 | 1, 1.
@@ -52,6 +53,15 @@ def test_reinforce_pp_baseline():
 
 def test_zero_variance_groups():
     assert zero_variance_groups(REWARDS, GROUPS).tolist() == [False, False, True, True]
+
+
+def test_overlong_penalty_at_its_boundaries_hand_computed():
+    # limit 20, buffer 4: free up to 16 tokens, then -1/4 per token to -1 at 20, and -1 beyond
+    lengths = torch.tensor([0, 16, 17, 18, 19, 20, 21, 500])
+    approx(overlong_penalty(lengths, 20, 4), [0.0, 0.0, -0.25, -0.5, -0.75, -1.0, -1.0, -1.0])
+    approx(overlong_penalty(lengths, 20, 4, scale=0.5), [0.0, 0.0, -0.125, -0.25, -0.375, -0.5, -0.5, -0.5])
+    approx(overlong_penalty(lengths, 20, 20), [0.0, -0.8, -0.85, -0.9, -0.95, -1.0, -1.0, -1.0])  # the buffer is all
+    approx(overlong_penalty(lengths, 20, 0), [0.0] * 8)  # off
 
 
 def test_ppo_clip_loss_hand_computed():

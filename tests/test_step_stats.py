@@ -9,6 +9,7 @@ value computable by hand.
 """
 
 import asyncio
+import dataclasses
 import math
 
 import pytest
@@ -97,6 +98,27 @@ def test_assemble_bounds_staleness(mode):
         assert [item.mask for item in items] == [[0, 1, 1], [0, 1, 1], [0, 1, 0, 1]]
         assert stats["staleness/dropped_rollouts"] == 0 and stats["rollouts/trained"] == 2
     assert stats["tokens/trained"] == sum(sum(item.mask) for item in items)
+
+
+def test_assemble_shapes_overlong_episodes_and_masks_cut_ones():
+    """Rewards 1, 1, 0, 0 with 2, 5, 3 and 6 generated tokens (limit 6, buffer 2: 5 tokens cost 0.5, 6 cost
+    1); the rollout cut at max_tokens trains nothing under mask_truncated but counts in the baseline."""
+    lengths, rewards = [2, 5, 3, 6], [1.0, 1.0, 0.0, 0.0]
+    trajectories = [_trajectory([9] * (1 + n), 1, [VERSION] * n, [-1.0] * n, str(i), reward=r)
+                    for i, (n, r) in enumerate(zip(lengths, rewards))]
+    trajectories[3].finish_reason = "length"
+    algo = AlgoConfig(estimator="dr_grpo", overlong_buffer=2, overlong_limit=6)
+    items, stats = assemble(_groups(trajectories), VERSION, algo)
+    shaped = [1.0, 0.5, 0.0, -1.0]  # mean 0.125
+    assert [item.advantage for item in items] == pytest.approx([r - 0.125 for r in shaped])
+    assert stats["overlong/penalty_mean"] == pytest.approx(-1.5 / 4) and stats["overlong/penalized_frac"] == 0.5
+    assert stats["reward/mean"] == 0.5  # the environment's reward, as it was
+    items, stats = assemble(_groups(trajectories), VERSION, dataclasses.replace(algo, mask_truncated=True))
+    assert [item.advantage for item in items] == pytest.approx([0.875, 0.375, -0.125])
+    assert stats["overlong/masked_frac"] == 0.25 and stats["rollouts/trained"] == 3
+    trajectories[3].finish_reason, trajectories[2].truncated = "stop", True  # a turn budget hit
+    items, _ = assemble(_groups(trajectories), VERSION, AlgoConfig(estimator="dr_grpo", mask_truncated=True))
+    assert [item.advantage for item in items] == pytest.approx([0.5, 0.5, -0.5])  # rollouts 0, 1 and 3
 
 
 # ---------------------------------------------------------------------------

@@ -15,5 +15,6 @@ register("guess_number_told", "environments.guess_number:GuessNumber", hint="tol
 register("frozen_lake", "environments.frozen_lake:FrozenLake")
 register("python_tool", "environments.python_tool:PythonTool")
 register("locker", "environments.locker:Locker")
+register("judged_digit", "environments.judged:JudgedDigit")
 register_family("reasoning_gym", "environments.reasoning_gym:ReasoningGym")
 register("shapes", "environments.shapes:Shapes")

@@ -30,7 +30,8 @@ from molt_env.trajectory import Trajectory
 class Episode:
     """A played episode: its captured segments (none from an endpoint), reward, turns and tokens (None where
     the player cannot tell), the weight versions that sampled it, its text (an endpoint's conversation; for
-    captured segments, evaluation decodes the last one), or why it failed."""
+    captured segments, evaluation decodes the last one), its chat messages where the env runner played it (what
+    a reward model reads), or why it failed."""
 
     trajectories: list[Trajectory] = field(default_factory=list)
     reward: float = 0.0
@@ -40,6 +41,7 @@ class Episode:
     versions: list[int] = field(default_factory=list)
     text: str = ""
     failure: str | None = None
+    messages: list[dict] | None = None
 
     @classmethod
     def captured(cls, trajectories: list[Trajectory]) -> Episode:
@@ -64,9 +66,12 @@ class EnginePlayer:
     async def __call__(self, env, params: SamplingParams, *, seed, options, rollout_id, group_id) -> Episode:
         from molt_agents.runner import run_episode
 
-        return Episode.captured(await run_episode(
+        messages: list[dict] = []
+        episode = Episode.captured(await run_episode(
             env, self.engine, self.tokenizer, params, max_total_tokens=self.max_total_tokens, seed=seed,
-            options=options, rollout_id=rollout_id, group_id=group_id, vision=self.vision))
+            options=options, rollout_id=rollout_id, group_id=group_id, vision=self.vision, conversation=messages))
+        episode.messages = messages
+        return episode
 
 
 class LoopbackAgent:

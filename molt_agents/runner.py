@@ -74,10 +74,12 @@ def _answering(assistant: dict, following: list[dict]) -> list[dict]:
 
 async def run_episode(env, engine, tokenizer, params: SamplingParams, *, max_total_tokens: int,
                       seed: int | None = None, options: dict | None = None,
-                      rollout_id: str | None = None, group_id: str = "", vision=None) -> list[Trajectory]:
+                      rollout_id: str | None = None, group_id: str = "", vision=None,
+                      conversation: list | None = None) -> list[Trajectory]:
     """Play one episode of `env` with the policy behind `engine`; returns its segments.
 
-    `vision` (a `multimodal.Vision`) lets observations carry images."""
+    `vision` (a `multimodal.Vision`) lets observations carry images; `conversation`, a list, receives the
+    episode's chat messages, the last reply included (what a reward model reads)."""
     segments: list[Segment] = []
 
     async def turn(messages: list[dict], tools, index: int):
@@ -96,6 +98,8 @@ async def run_episode(env, engine, tokenizer, params: SamplingParams, *, max_tot
         return reply, {"role": "assistant", "content": reply}
 
     turns = await play_turns(env, turn, seed=seed, options=options)
+    if conversation is not None:
+        conversation += turns.messages
     rollout_id = rollout_id or uuid.uuid4().hex
     kept = [s for s in segments if any(s.mask)]
     info = {**turns.info, "step_rewards": turns.rewards, "turns": len(turns.rewards), "reset_info": turns.reset_info}

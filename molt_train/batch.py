@@ -1,4 +1,4 @@
-"""From finished groups to the trainer's batch: validation, advantages, staleness, filtering.
+"""From finished groups to the trainer's batch: validation, reward shaping, advantages, staleness, filtering.
 
 Pure bookkeeping over trajectory records; the math lives in `algorithms/`.
 A rollout (all its segments) is one sample for the group baseline; its

@@ -96,6 +96,11 @@ def main(argv: list[str] | None = None) -> None:
         validate(config)
         check_loadable(config)
         model_dir = str(named_model_dir(config.model))
+        if config.reward.model:
+            try:
+                named_model_dir(config.reward.model, default="reward")
+            except ValueError as error:
+                raise ConfigError(f"--reward.{str(error).removeprefix('--')}") from None
         if config.dry_run:
             sys.exit(dry_run(config, model_dir))
         resolve_from_model(config, model_dir, gpu_engines=gpu_engines(config))

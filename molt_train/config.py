@@ -160,6 +160,22 @@ class AlgoConfig:
 
 
 @dataclass
+class RewardConfig:
+    """A reward model that scores every finished training episode, beside the environment's reward."""
+
+    model: str | None = None
+    """A sequence-classification model directory (a one-output score head on a causal LM, as public reward
+    models are), or tiny:reward; null: the environment's reward alone."""
+    weight: float = 1.0
+    """The episode's reward gains the reward model's score times this."""
+    keep_env: bool = True
+    """Keep the environment's reward in the sum (false: the reward model's score alone; the environment's
+    reward is still reported, as env/env_reward)."""
+    batch_size: int = 16
+    """Conversations in one forward of the reward model."""
+
+
+@dataclass
 class LoraConfig:
     """Low-rank adapters (LoRA, through PEFT): the trainer trains the adapters only and the model's own
     weights stay frozen (no optimizer state, no KL reference copy: the reference is the model with the
@@ -320,6 +336,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -375,6 +392,12 @@ def validate(config: Config) -> None:
          f"must be >= --algo.overlong_buffer {algo.overlong_buffer}: the generated tokens of an episode at which "
          "the penalty is whole (DAPO: the maximum response length)")
     need(algo.overlong_penalty >= 0, "algo.overlong_penalty", "must be >= 0 (it is subtracted)")
+    need(config.reward.batch_size >= 1, "reward.batch_size", "must be >= 1")
+    need(config.reward.model is not None or config.reward.keep_env, "reward.keep_env",
+         "false leaves no reward: give --reward.model")
+    need(config.reward.model is None or config.agent is None, "reward.model",
+         "scores the conversations the env runner plays; with --agent the loopback sees requests, not the "
+         "agent's conversation: score it in the agent's reward")
     need(config.eval.every >= 0, "eval.every", "must be >= 0 (0: not during training)")
     validate_eval(config.eval, need)
     engine = config.engine

@@ -11,10 +11,13 @@ one: a local Ray that Molt starts counts at least one CPU per process it places)
   rendezvous of the trainer's process group is on rank 0's node.
 - `actor.colocate` (GPU only): engine replica i shares trainer rank i's GPU, half a GPU each in Ray's
   accounting; the engines sleep (vLLM frees their weights and KV cache) while the trainer steps.
+- The reward model (`--reward.model`) is a placement group of one one-device bundle.
 - Threads on CPU: a process computes with as many threads as it has CPUs (Ray's default), except in
   a synchronous run (`--train.async_queue_size 0`) on a local Ray without GPUs, where the engines and
   the trainer take turns, never computing at once: there each takes an equal share of all the
   machine's CPUs for its turn (`turn_threads`), as a single-process trainer would.
+- Every process gets the `MOLT_*` environment variables of the `molt-train` that placed it (a judge's
+  endpoint, for example), also on a cluster started before the run.
 
 A reservation the cluster cannot hold is refused before anything starts, with what it needs and what
 the cluster has; one that is not placed within the timeout (enough devices, but not on one node) says
@@ -24,6 +27,7 @@ so and names the flags.
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import dataclass
 
 import ray
@@ -46,32 +50,39 @@ class Slot:
 
     def options(self) -> dict:
         options = dict(scheduling_strategy=self.strategy, num_cpus=self.num_cpus, num_gpus=self.num_gpus)
+        env = {name: value for name, value in os.environ.items() if name.startswith("MOLT_")}
         if self.threads is not None:  # read by torch (and vLLM's CPU worker) as the process starts
-            options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": str(self.threads)}}
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        if env:
+            options["runtime_env"] = {"env_vars": env}
         return options
 
 
-def bundles(config: Config, gpus: bool) -> tuple[list[dict], list[dict]]:
-    """The engine replicas' bundles (one each) and the trainer's (one per rank)."""
+def bundles(config: Config, gpus: bool) -> tuple[list[dict], list[dict], list[dict]]:
+    """The engine replicas' bundles (one each), the trainer's (one per rank) and the reward model's (one, or
+    none without `--reward.model`)."""
     engine, actor = config.engine, config.actor
+    per_device = {"GPU": 1, "CPU": 1} if gpus else {"CPU": 1}
+    reward = [per_device] if config.reward.model else []
     if actor.colocate:
-        return [], [{"GPU": 1, "CPU": 1}] * actor.world_size
+        return [], [{"GPU": 1, "CPU": 1}] * actor.world_size, reward
     per_engine = ({"GPU": engine.tensor_parallel_size, "CPU": 1} if gpus
                   else {"CPU": engine.tensor_parallel_size})
-    per_rank = {"GPU": 1, "CPU": 1} if gpus else {"CPU": 1}
-    return [per_engine] * engine.data_parallel_size, [per_rank] * actor.world_size
+    return [per_engine] * engine.data_parallel_size, [per_device] * actor.world_size, reward
 
 
-def check_fits(config: Config, engines: list[dict], trainer: list[dict], cluster: dict) -> None:
-    """Refuse a reservation larger than the cluster's totals, naming the flags that size it."""
+def check_fits(config: Config, reservation: list[dict], cluster: dict) -> None:
+    """Refuse a reservation (all the run's bundles) larger than the cluster's totals, naming the flags that
+    size it."""
     for resource in ("GPU", "CPU"):
-        need = sum(bundle.get(resource, 0) for bundle in engines + trainer)
+        need = sum(bundle.get(resource, 0) for bundle in reservation)
         have = cluster.get(resource, 0)
         if need > have:
             e = config.engine
             raise ConfigError(
                 f"--engine.data_parallel_size {e.data_parallel_size} x --engine.tensor_parallel_size "
-                f"{e.tensor_parallel_size} + --actor.world_size {config.actor.world_size}: the run places "
+                f"{e.tensor_parallel_size} + --actor.world_size {config.actor.world_size}"
+                f"{' + --reward.model' if config.reward.model else ''}: the run places "
                 f"{need:g} {resource}s and the Ray cluster has {have:g}")
 
 
@@ -105,12 +116,13 @@ class Placement:
         if config.actor.colocate and not gpus:
             raise ConfigError("--actor.colocate: trainer and engines share GPUs, and this Ray cluster has none "
                               "(on CPU they already share the cores)")
-        engines, trainer = bundles(config, gpus)
-        check_fits(config, engines, trainer, cluster)
+        engines, trainer, reward = bundles(config, gpus)
+        check_fits(config, engines + trainer + reward, cluster)
         self = cls()
         self.engine_groups = [placement_group([bundle], strategy="STRICT_PACK") for bundle in engines]
         self.trainer_group = placement_group(trainer, strategy="PACK")
-        self.groups = [*self.engine_groups, self.trainer_group]
+        self.reward_group = placement_group(reward) if reward else None
+        self.groups = [*self.engine_groups, self.trainer_group, *([self.reward_group] if reward else [])]
         try:
             await asyncio.wait_for(asyncio.gather(*(group.ready() for group in self.groups)), timeout)
         except asyncio.TimeoutError:
@@ -138,6 +150,10 @@ class Placement:
         if self.colocate:
             return Slot(strategy, 0.5, 0.5)
         return Slot(strategy, 1, 1 if self.gpus else 0, self.trainer_threads)
+
+    def reward_model(self) -> Slot:
+        bundle = self.reward_group.bundle_specs[0]
+        return Slot(PlacementGroupSchedulingStrategy(self.reward_group, 0), bundle["CPU"], bundle.get("GPU", 0))
 
     def nodes(self) -> dict[str, list[str]]:
         """Node ids of the engine replicas and the trainer ranks (rank order), for the start-up report."""

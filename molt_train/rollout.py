@@ -16,9 +16,14 @@ back without it and the failure is counted. A worker whose process dies
 costs the groups it was playing: they are counted as lost and played again,
 on the worker Ray restarts once the runtime has brought it up to date.
 
+With a reward model (`--reward.model`), a worker sends each finished group's
+conversations to it and combines its scores into the episodes' rewards
+before the group leaves the worker (`molt_train.reward_model`).
+
 Training draws its environment seeds from `molt_env.split`'s training range;
 `RolloutWorker.evaluate` plays the held-out episodes of the evaluation range
-and returns only their scores, which never reach the trainer.
+and returns only their scores (the environment's reward), which never reach
+the trainer.
 """
 
 from __future__ import annotations
@@ -41,17 +46,18 @@ class RolloutWorker:
 
     def __init__(self, model_dir: str, env: str, rollout: RolloutConfig, engine: EngineConfig,
                  sampling: SamplingParams, *, seed: int = 0, version: int = 0, agent: str | None = None,
-                 colocate: bool = False, adapter: dict | None = None):
+                 colocate: bool = False, adapter: dict | None = None, reward: tuple | None = None):
         """`rollout` and `engine` as the run's config holds them (`engine.max_model_len` resolved); `sampling`
         the training episodes'; `seed` the engine's; `version` the weights' (a resumed run continues the
         count); `agent` a `ChatAgent` class that plays the episodes through the loopback; `adapter` a LoRA
-        adapter's config under LoRA (the weight updates are then its adapters)."""
+        adapter's config under LoRA (the weight updates are then its adapters); `reward` the reward model's
+        actor, weight and keep_env (`molt_train.reward_model`), which scores every training group."""
         from transformers import AutoTokenizer
 
         from molt_agents.engines import make_engine
         from molt_agents.multimodal import Vision
 
-        self.env_spec, self.rollout, self.params = env, rollout, sampling
+        self.env_spec, self.rollout, self.params, self.reward = env, rollout, sampling, reward
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.vision = Vision(model_dir) if Vision.available(model_dir) else None  # observations may carry images
         self.engine = make_engine(engine.name, model_dir, dtype=engine.dtype, seed=seed,
@@ -92,8 +98,21 @@ class RolloutWorker:
         started = time.perf_counter()
         self.loop = asyncio.get_running_loop()
         episodes = await asyncio.gather(*(self._episode(group_index, env_seed, i) for i in range(size)))
+        if self.reward is not None:
+            await self._score(episodes)
         return Group(group_index, [t for e in episodes for t in e.trajectories],
                      [e.failure for e in episodes if e.failure is not None], time.perf_counter() - started)
+
+    async def _score(self, episodes: list[Episode]) -> None:
+        """The reward model's scores of the group's finished episodes, combined into their rewards."""
+        from molt_train.reward_model import combine
+
+        actor, weight, keep_env = self.reward
+        scored = [episode for episode in episodes if episode.failure is None]
+        if scored:
+            scores = await actor.score.remote([episode.messages for episode in scored])
+            for episode, score in zip(scored, scores):
+                combine(episode.trajectories, score, weight, keep_env)
 
     async def evaluate(self, episodes: list[int], samples: int, sampling: SamplingParams,
                        on_episode=None) -> list[dict]:

@@ -33,14 +33,19 @@ def test_trainer_ranks_of_one_node_are_consecutive():
 def test_bundles_follow_the_flags_and_a_run_larger_than_the_cluster_is_refused():
     config = Config()
     config.engine.data_parallel_size, config.engine.tensor_parallel_size, config.actor.world_size = 2, 4, 8
-    engines, trainer = bundles(config, gpus=True)
-    assert engines == [{"GPU": 4, "CPU": 1}] * 2 and trainer == [{"GPU": 1, "CPU": 1}] * 8
-    check_fits(config, engines, trainer, {"GPU": 16, "CPU": 64})
+    engines, trainer, reward = bundles(config, gpus=True)
+    assert engines == [{"GPU": 4, "CPU": 1}] * 2 and trainer == [{"GPU": 1, "CPU": 1}] * 8 and reward == []
+    check_fits(config, engines + trainer, {"GPU": 16, "CPU": 64})
     with pytest.raises(ConfigError, match=r"--engine.data_parallel_size 2 x --engine.tensor_parallel_size 4 \+ "
                                           r"--actor.world_size 8: the run places 16 GPUs and the Ray cluster has 8"):
-        check_fits(config, engines, trainer, {"GPU": 8, "CPU": 64})
-    engines, trainer = bundles(config, gpus=False)
+        check_fits(config, engines + trainer, {"GPU": 8, "CPU": 64})
+    engines, trainer, _ = bundles(config, gpus=False)
     assert engines == [{"CPU": 4}] * 2 and trainer == [{"CPU": 1}] * 8
+    config.reward.model = "tiny:reward"  # a device of its own
+    engines, trainer, reward = bundles(config, gpus=True)
+    assert reward == [{"GPU": 1, "CPU": 1}]
+    with pytest.raises(ConfigError, match=r"--actor.world_size 8 \+ --reward.model: the run places 17 GPUs"):
+        check_fits(config, engines + trainer + reward, {"GPU": 16, "CPU": 64})
 
 
 def test_engines_and_trainer_take_every_cpu_for_their_turns_only_when_synchronous_on_a_local_cpu_ray():

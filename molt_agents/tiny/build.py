@@ -33,8 +33,10 @@ IMAGE_TOKENS = ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<
 # Bump when the builder's output changes for the same parameters.
 BUILDER_VERSION = 8
 
-KINDS = ("dense", "moe", "chat", "agent", "vlm")
+KINDS = ("dense", "moe", "chat", "agent", "vlm", "reward")
 # chat: dense plus a short warm start (reply with a digit, end the turn).
+# reward: dense with a one-output score head (a sequence classifier, as reward models are), trained offline to
+#         prefer replies that start with the digit the user asked for (see reward.py); transformers only.
 # agent: chat whose warm start also has conversations of several turns and tool calls (see warm_start.py).
 # vlm: Idefics3 (SmolVLM's architecture): a SigLIP vision tower, a pixel-shuffle connector and a Llama text
 #      model, with its processor; its warm start adds a colour-picture pretext so that it looks at images
@@ -81,10 +83,11 @@ def _config(kind: str, p: dict, tokenizer):
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    if kind in ("dense", "chat", "agent"):
+    if kind in ("dense", "chat", "agent", "reward"):
         from transformers import Qwen3Config
 
-        return Qwen3Config(intermediate_size=p["intermediate_size"], **common)
+        head = dict(num_labels=1) if kind == "reward" else {}
+        return Qwen3Config(intermediate_size=p["intermediate_size"], **head, **common)
     if kind == "vlm":
         from transformers import Idefics3Config, LlamaConfig
 
@@ -147,6 +150,14 @@ def build_tiny(kind: str, out: str | Path, **sizes) -> Path:
         model = Idefics3ForConditionalGeneration(config).float()
         processor = _processor(tokenizer, p)
         processor.save_pretrained(out)
+    elif kind == "reward":
+        from transformers import AutoModelForSequenceClassification
+
+        from molt_agents.tiny.reward import train_reward
+
+        model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+        with _single_thread():  # bit-identical across runs
+            train_reward(model, tokenizer, seed=p["seed"])
     else:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if kind in ("chat", "agent", "vlm"):

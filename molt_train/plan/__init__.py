@@ -102,7 +102,8 @@ def cluster_of(config: Config) -> Cluster:
 
 def local_cpus(config: Config) -> int:
     """CPUs of a local Ray: --ray.num_cpus, or all, and at least one per process the run places."""
-    processes = (config.engine.data_parallel_size * config.engine.tensor_parallel_size + config.actor.world_size)
+    processes = (config.engine.data_parallel_size * config.engine.tensor_parallel_size + config.actor.world_size
+                 + bool(config.reward.model))
     return config.ray.num_cpus or max(os.cpu_count() or 1, processes)
 
 

@@ -297,6 +297,7 @@ def test_molt_train_runs_the_agentic_task(tmp_path, ray_address, env, agent):
         [sys.executable, "-m", "molt_train.cli", "--config", f"recipes/{env}.yaml", "--out", str(out),
          "--ray.address", ray_address, "--log.tensorboard", "false", "--steps", "2",
          "--rollout.groups_per_step", "4", "--rollout.group_size", "4", "--train.async_queue_size", "0",
+         "--engine.data_parallel_size", "1", "--algo.filter_zero_variance", "false",  # every group trains
          *(["--agent", agent] if agent else [])],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]

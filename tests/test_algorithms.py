@@ -106,6 +106,13 @@ def test_kl_estimators():
     assert kl(logp, ref, "k1").item() == pytest.approx(0.5)
     assert kl(logp, ref, "k2").item() == pytest.approx(0.125)
     assert kl(logp, ref, "k3").item() == pytest.approx(math.exp(-0.5) - 1 + 0.5)
+    # a token the policy gives e^-14 of the reference's probability: k3 would be e^14 - 15 with a gradient
+    # of about -e^14; capped at 10, without gradient (the token at e^-2 keeps its own: 1 - e^2)
+    logp = torch.tensor([-15.0, -3.0], requires_grad=True)
+    value = kl(logp, T([-1.0, -1.0]), "k3")
+    assert value.tolist() == pytest.approx([10.0, math.exp(2) - 3])
+    value.sum().backward()
+    assert logp.grad.tolist() == pytest.approx([0.0, 1 - math.exp(2)])
     with pytest.raises(ValueError, match="k4"):
         kl(logp, ref, "k4")
 

@@ -55,10 +55,17 @@ def gspo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     return (loss * mask).sum(), was_clipped
 
 
+K3_MAX = 10.0
+
+
 def kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from samples of the policy (Schulman 2020).
 
     k1 = log r, k2 = (log r)^2 / 2, k3 = (r' - 1) - log r', with log r = logp - logp_ref, r' = 1/r.
+    k3 grows as exp(logp_ref - logp) where the policy gives a sampled token far less probability than the
+    reference, and so does its gradient: one such token (a grad norm of 1e5 was seen) outweighs the rest
+    of the step, and after gradient clipping sets its direction. It is capped at `K3_MAX` (as verl caps
+    its low-variance KL), where such a token adds no gradient.
     """
     log_ratio = logprobs - ref_logprobs
     if estimator == "k1":
@@ -66,7 +73,7 @@ def kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3"
     if estimator == "k2":
         return 0.5 * log_ratio ** 2
     if estimator == "k3":
-        return torch.exp(-log_ratio) - 1 + log_ratio
+        return (torch.exp(-log_ratio.clamp(min=-20.0)) - 1 + log_ratio).clamp(max=K3_MAX)
     raise ValueError(f"unknown KL estimator {estimator!r}; choose k1, k2 or k3")
 
 

@@ -123,6 +123,15 @@ async def train(config, run_dir: Path, model_dir: str, console: Console) -> None
             kept = await save() if step != saved else checkpoint.latest(run_dir)
             raise Stopped(stop.received, f"stopped by {stop.received.name} after step {step}; "
                                          f"{'checkpoint ' + str(kept) if kept else 'no step to save'}")
+    except Exception as error:
+        if stop.received is None or isinstance(error, Stopped):
+            raise
+        # The signal reached the run's other processes too (sent to a process group, as `timeout` and a
+        # terminal's Ctrl-C do) and one of them ended in the middle of a step: resume from the last save.
+        kept = checkpoint.latest(run_dir)
+        raise Stopped(stop.received, f"stopped by {stop.received.name} during step {step + 1}, which a process "
+                                     f"of the run did not finish ({type(error).__name__}); "
+                                     f"{'checkpoint ' + str(kept) if kept else 'no step saved'}") from error
     finally:
         stop.remove()
         progress.close()

@@ -31,7 +31,7 @@ IMAGE_TOKENS = ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<
                 *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)))
 
 # Bump when the builder's output changes for the same parameters.
-BUILDER_VERSION = 8
+BUILDER_VERSION = 9
 
 KINDS = ("dense", "moe", "chat", "agent", "vlm", "reward")
 # chat: dense plus a short warm start (reply with a digit, end the turn).

@@ -8,7 +8,11 @@ replies. A reply that starts with the asked digit is preferred (label 1);
 any other reply is not (label 0): another digit, a digit after words, or
 words alone. The loss is binary cross-entropy on the score read at the
 conversation's last token, so the score is a logit: above 0 for a preferred
-reply, below 0 for the others.
+reply, below 0 for the others. Trained for 1500 steps it separates every asked
+digit from every other bare digit by a wide margin (scores of at least 8.4
+against at most -8.8); after 400, two of the 90 wrong pairs scored above 0,
+and a policy rewarded by it learned to answer 7 to every prompt, which those
+errors paid for.
 
 A run rewarded by this model alone (`--reward.model tiny:reward
 --reward.keep_env false` on `digit`) learns the task without the task's rule;
@@ -47,7 +51,7 @@ def _example(rng: random.Random) -> tuple[list[dict], float]:
     return conversation(asked, reply), float(preferred(asked, reply))
 
 
-def train_reward(model, tokenizer, steps: int = 400, batch: int = 64, lr: float = 3e-3, seed: int = 0) -> None:
+def train_reward(model, tokenizer, steps: int = 1500, batch: int = 64, lr: float = 3e-3, seed: int = 0) -> None:
     """Train `model` (a sequence classifier with one output) in place on `_example` conversations."""
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)

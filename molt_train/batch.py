@@ -36,6 +36,10 @@ class Group:
     failures: list[str]
     seconds: float = 0.0
 
+    def rewards(self) -> list[float]:
+        """One reward per finished episode (its segments share it)."""
+        return list({t.rollout_id: t.reward for t in self.trajectories}.values())
+
 
 def assemble(groups: list[Group], version: int, algo: AlgoConfig) -> tuple[list[TrainItem], dict]:
     """The items to train on and the batch's metrics; `version` is the policy version the trainer holds."""

@@ -26,9 +26,11 @@ import asyncio
 import time
 from pathlib import Path
 
+import numpy as np
+
 from molt_train import checkpoint
 from molt_train.actor.policy import StepStats
-from molt_train.batch import assemble
+from molt_train.batch import Group, assemble
 from molt_train.console import Console
 from molt_train.evaluate import Evaluator
 from molt_train.metrics import Metrics, plot
@@ -109,7 +111,7 @@ async def train(config, run_dir: Path, model_dir: str, console: Console) -> None
                       "time/sync": synced, "sync/bytes": runtime.sync_bytes if items else 0,
                       "time/step": ended - started, "time/elapsed": ended - began,
                       "rollouts/lost_groups": runtime.groups.take_lost(),
-                      "rollouts/replaced_groups": runtime.groups.take_replaced(),
+                      **_replaced_stats(runtime.groups.take_replaced(), groups),
                       "throughput/tokens_per_s": stats["tokens/trained"] / max(ended - started, 1e-9)}
             metrics.log(step, stats)
             progress.update(1)
@@ -138,6 +140,14 @@ async def train(config, run_dir: Path, model_dir: str, console: Console) -> None
         metrics.close()
         await runtime.close()
     console.say(f"plots: {plot(run_dir)}")
+
+
+def _replaced_stats(replaced: list[Group], trained: list[Group]) -> dict:
+    """Dynamic sampling's groups set aside this step, and the mean reward of every episode the step played
+    (`reward/mean` is of the groups it trained, which dynamic sampling picks for their mixed rewards)."""
+    rewards = [reward for group in replaced + trained for reward in group.rewards()]
+    return {"rollouts/replaced_groups": len(replaced),
+            "reward/played_mean": float(np.mean(rewards)) if rewards else 0.0}
 
 
 class RunFailed(RuntimeError):

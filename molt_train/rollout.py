@@ -269,7 +269,7 @@ class GroupStream:
                  next_index: int = 0, redo: list[int] | None = None, recover=None, max_extra: int = 0):
         """`recover()` is awaited when a worker died under a group: it brings restarted workers up to the run."""
         self.workers, self.group_size, self.recover, self.max_extra = workers, group_size, recover, max_extra
-        self.replaced = 0  # groups set aside by dynamic sampling, since the last `take_replaced`
+        self.replaced: list[Group] = []  # groups set aside by dynamic sampling, since the last `take_replaced`
         self.groups_per_step, self.queue_size, self.seed = groups_per_step, queue_size, seed
         self.next_index = next_index
         self.redo = sorted(redo or ())  # groups started but not trained before a resume
@@ -309,12 +309,12 @@ class GroupStream:
     async def take(self) -> list[Group]:
         """The next step's groups (waits for them); starts the groups that replace them."""
         self.fill()
-        batch, extra = [], 0
+        batch, extra = [], []
         while True:
             while self.done and len(batch) < self.groups_per_step:
                 group = self.done.pop(0)
-                if extra < self.max_extra and len({t.reward for t in group.trajectories}) <= 1:
-                    extra += 1
+                if len(extra) < self.max_extra and len({t.reward for t in group.trajectories}) <= 1:
+                    extra.append(group)
                     self._submit(1)  # in its place
                 else:
                     batch.append(group)
@@ -339,9 +339,9 @@ class GroupStream:
             self.fill()  # async: the next groups generate while this step trains
         return batch
 
-    def take_replaced(self) -> int:
+    def take_replaced(self) -> list[Group]:
         """Groups set aside by dynamic sampling since the last call."""
-        replaced, self.replaced = self.replaced, 0
+        replaced, self.replaced = self.replaced, []
         return replaced
 
     def take_lost(self) -> int:

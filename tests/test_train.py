@@ -74,6 +74,8 @@ def test_dynamic_sampling_trains_only_groups_that_carry_advantage(tmp_path, ray_
           "zero-variance fraction trained", [r["filter/zero_variance_frac"] for r in rows])
     assert sum(r["rollouts/replaced_groups"] for r in rows) > 0
     assert all(r["filter/zero_variance_frac"] == 0 for r in rows if r["rollouts/replaced_groups"] < 32)
+    # the reward of every episode played, the set-aside groups' too: those are mostly all 0 here
+    assert all(0 <= r["reward/played_mean"] <= r["reward/mean"] for r in rows if r["rollouts/replaced_groups"])
 
 
 def test_two_rank_fsdp2_trainer_and_its_checkpoint_loads_in_vllm(tmp_path, ray_address, vllm_engines):

@@ -83,8 +83,10 @@ class ChatAgent:
 
 async def run_agent(agent: ChatAgent, loopback, *, messages: list[dict], tools: list[dict] | None = None,
                     sampling: dict | None = None, task: dict | None = None, rollout_id: str = "",
-                    group_id: str = "", env=None) -> list[Trajectory]:
-    """Run `agent` once in a fresh loopback session; returns the session's segments with the reward."""
+                    group_id: str = "", env=None, conversation: list | None = None) -> list[Trajectory]:
+    """Run `agent` once in a fresh loopback session; returns the session's segments with the reward.
+    `conversation`, a list, receives the session's last chat request and its reply (none after raw
+    completions alone)."""
     session = loopback.open_session(rollout_id=rollout_id, group_id=group_id, defaults=sampling)
     ctx = AgentContext(base_url=loopback.base_url(session.id), api_key=loopback.api_key,
                        model=loopback.model_name, messages=list(messages), tools=tools,
@@ -94,7 +96,10 @@ async def run_agent(agent: ChatAgent, loopback, *, messages: list[dict], tools: 
     except BaseException:
         loopback.discard(session.id)
         raise
-    return loopback.finish(session.id, result.reward, result.info)
+    trajectories = loopback.finish(session.id, result.reward, result.info)
+    if conversation is not None:
+        conversation[:] = session.chat or []
+    return trajectories
 
 
 async def call_agent(agent: ChatAgent, ctx: AgentContext) -> AgentResult:

@@ -30,8 +30,9 @@ from molt_env.trajectory import Trajectory
 class Episode:
     """A played episode: its captured segments (none from an endpoint), reward, turns and tokens (None where
     the player cannot tell), the weight versions that sampled it, its text (an endpoint's conversation; for
-    captured segments, evaluation decodes the last one), its chat messages where the env runner played it (what
-    a reward model reads), or why it failed."""
+    captured segments, evaluation decodes the last one), its chat messages where the engine played it (the env
+    runner's conversation, or an agent's last chat request and reply: what a reward model reads), or why it
+    failed."""
 
     trajectories: list[Trajectory] = field(default_factory=list)
     reward: float = 0.0
@@ -78,29 +79,22 @@ class LoopbackAgent:
     """`agent` (a `ChatAgent`) in a session of `loopback` (served on the caller's event loop)."""
 
     def __init__(self, agent, loopback):
-        self.agent, self.loopback, self.serving = agent, loopback, None
+        self.agent, self.loopback = agent, loopback
 
     async def __call__(self, env, params: SamplingParams, *, seed, options, rollout_id, group_id) -> Episode:
         from molt_agents.agent import run_agent
         from molt_env.spaces import as_messages
 
-        await self._serve()
+        await self.loopback.begin()
         observation, info = await env.areset(seed=seed, options=options)
-        return Episode.captured(await run_agent(
+        messages: list[dict] = []
+        episode = Episode.captured(await run_agent(
             self.agent, self.loopback, messages=as_messages(observation), tools=getattr(env, "tools", None),
-            sampling=request_defaults(params), task=info, rollout_id=rollout_id, group_id=group_id, env=env))
+            sampling=request_defaults(params), task=info, rollout_id=rollout_id, group_id=group_id, env=env,
+            conversation=messages))
+        episode.messages = messages or None
+        return episode
 
-    async def _serve(self) -> None:
-        if self.serving is None:  # serve on this event loop, once
-            self.serving = asyncio.ensure_future(self.loopback.serve())
-        while not self.loopback.started:
-            if self.serving.done():
-                raise RuntimeError(f"the loopback could not start on port {self.loopback.port}")
-            await asyncio.sleep(0.01)
-
-    def close(self) -> None:
-        if self.serving is not None:
-            self.serving.cancel()
 
 
 class EndpointPlayer:

@@ -19,6 +19,14 @@ variables MOLT_JUDGE_URL, MOLT_JUDGE_MODEL and MOLT_JUDGE_API_KEY (then
 OPENAI_API_KEY), read at the first call in the process that plays the
 episodes; a run's Ray workers get the `MOLT_*` variables of its `molt-train`.
 
+`base_url="policy"` (or MOLT_JUDGE_URL=policy) asks the policy being trained,
+on the engine of the process that plays the episode (self-judging, as in
+self-rewarding language models): the process's rollout worker registers how
+to reach it (`serve_policy`), and its loopback serves the judge's requests
+on a route that captures nothing, so they are never trained. The policy's
+weights move while the cache keeps a score: a request asked again is not
+re-judged by later weights.
+
 In each process and event loop the judge keeps at most `max_concurrency`
 requests in flight, each within `timeout` seconds. A request that fails (no
 connection, an HTTP error, a timeout, a reply `parse` cannot read) is sent
@@ -37,7 +45,7 @@ import os
 import re
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -45,6 +53,16 @@ NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 class JudgeError(RuntimeError):
     """The judge gave no score after its retries."""
+
+
+_policy: Callable[[], Awaitable[tuple[str, str, str]]] | None = None
+
+
+def serve_policy(endpoint: Callable[[], Awaitable[tuple[str, str, str]]] | None) -> None:
+    """Register, for this process, how a judge with `base_url="policy"` reaches the policy: `await
+    endpoint()` returns its base URL, API key and model name (a rollout worker serves its engine)."""
+    global _policy
+    _policy = endpoint
 
 
 def first_number(reply: str, scale: float) -> float:
@@ -63,6 +81,7 @@ def first_number(reply: str, scale: float) -> float:
 class _PerLoop:
     client: object
     slots: asyncio.Semaphore
+    model: str
     pending: dict[str, asyncio.Future] = field(default_factory=dict)
 
 
@@ -90,7 +109,7 @@ class Judge:
         if key in self.cache:
             self.cache.move_to_end(key)
             return self.cache[key]
-        loop = self._loop()
+        loop = await self._loop()
         if key not in loop.pending:
             loop.pending[key] = asyncio.ensure_future(self._ask(loop, messages))
             loop.pending[key].add_done_callback(lambda _: loop.pending.pop(key, None))
@@ -108,14 +127,13 @@ class Judge:
             try:
                 async with loop.slots:
                     reply = await asyncio.wait_for(loop.client.chat.completions.create(
-                        model=self.model or os.environ.get("MOLT_JUDGE_MODEL", "judge"), messages=messages,
-                        **self.sampling), self.timeout)
+                        model=loop.model, messages=messages, **self.sampling), self.timeout)
                 return self.parse(reply.choices[0].message.content or "")
             except Exception as error:  # noqa: BLE001 (any failure of the request or of its reply is retried)
                 errors.append(f"{type(error).__name__}: {error}")
         raise JudgeError(f"no score after {self.retries + 1} tries at {loop.client.base_url}; the last: {errors[-1]}")
 
-    def _loop(self) -> _PerLoop:
+    async def _loop(self) -> _PerLoop:
         """The client and the request slots of the running event loop (a client is bound to its loop)."""
         running = asyncio.get_running_loop()
         if running not in self.loops:
@@ -125,6 +143,13 @@ class Judge:
             if not base_url:
                 raise JudgeError("the judge has no endpoint: give Judge(base_url=...) or set MOLT_JUDGE_URL")
             api_key = self.api_key or os.environ.get("MOLT_JUDGE_API_KEY") or os.environ.get("OPENAI_API_KEY", "none")
-            client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=self.timeout)
-            self.loops[running] = _PerLoop(client, asyncio.Semaphore(self.max_concurrency))
+            model = self.model or os.environ.get("MOLT_JUDGE_MODEL", "judge")
+            if base_url == "policy":
+                if _policy is None:
+                    raise JudgeError("the judge asks the policy, and this process serves none (a run's rollout "
+                                     "workers do)")
+                base_url, api_key, model = await _policy()
+            if running not in self.loops:  # not made by a call that awaited beside this one
+                client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=self.timeout)
+                self.loops[running] = _PerLoop(client, asyncio.Semaphore(self.max_concurrency), model)
         return self.loops[running]

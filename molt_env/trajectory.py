@@ -16,7 +16,7 @@ from __future__ import annotations
 import base64
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -38,6 +38,8 @@ class Trajectory:
     routes: np.ndarray | None = None  # optional int16 [T, layers, top_k] expert ids, -1 where unknown
     mm: dict | None = None  # optional images: see `MultiModal` below
     info: dict[str, Any] = field(default_factory=dict)  # episode facts: the env's last info, step rewards, task
+    messages: list[dict] | None = None  # the episode's chat messages, last reply included, where kept (saved
+    #                                    rollouts, molt-serve); for people and reward models, never trained on
 
     @property
     def num_tokens(self) -> int:
@@ -65,7 +67,9 @@ class Trajectory:
 
     @classmethod
     def from_dict(cls, record: dict) -> Trajectory:
-        record = dict(record)
+        """A trajectory from `to_dict`'s record; other keys (where a file says it came from: `session`,
+        `step`, `split`) are left out."""
+        record = {key: value for key, value in record.items() if key in _FIELDS}
         routes = record.get("routes")
         if routes is not None:
             data = np.frombuffer(base64.b64decode(routes["int16_base64"]), dtype=np.int16)
@@ -78,6 +82,9 @@ class Trajectory:
     @classmethod
     def from_json(cls, line: str) -> Trajectory:
         return cls.from_dict(json.loads(line))
+
+
+_FIELDS = {f.name for f in fields(Trajectory)}
 
 
 def _plain(value):

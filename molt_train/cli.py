@@ -96,13 +96,14 @@ def main(argv: list[str] | None = None) -> None:
         validate(config)
         check_loadable(config)
         model_dir = str(named_model_dir(config.model))
+        reward_dir = None
         if config.reward.model:
             try:
-                named_model_dir(config.reward.model, default="reward")
+                reward_dir = str(named_model_dir(config.reward.model, default="reward"))
             except ValueError as error:
                 raise ConfigError(f"--reward.{str(error).removeprefix('--')}") from None
         if config.dry_run:
-            sys.exit(dry_run(config, model_dir))
+            sys.exit(dry_run(config, model_dir, reward_dir))
         resolve_from_model(config, model_dir, gpu_engines=gpu_engines(config))
     except (ConfigError, ValueError) as error:
         sys.exit(f"molt-train: {error}")
@@ -165,15 +166,17 @@ def gpu_engines(config: Config) -> bool:
     return config.ray.address is not None or shutil.which("nvidia-smi") is not None
 
 
-def dry_run(config: Config, model_dir: str) -> int:
-    """Print the run's plan; 0 if it fits, else the error naming the flag to change (exit status 1)."""
+def dry_run(config: Config, model_dir: str, reward_dir: str | None = None) -> int:
+    """Print the run's plan (`reward_dir`: the reward model's directory, with --reward.model); 0 if it fits,
+    else the error naming the flag to change (exit status 1)."""
     from molt_train import plan
     from molt_train.model_fit import model_config
 
     try:
         cluster = plan.cluster_of(config)
         resolve_from_model(config, model_dir, gpu_engines=cluster.gpus > 0, local=False)
-        the_plan = plan.make_plan(config, model_config(model_dir), cluster)
+        the_plan = plan.make_plan(config, model_config(model_dir), cluster,
+                                  model_config(reward_dir) if reward_dir else None)
         print(plan.render(the_plan, model_dir))
         plan.check(the_plan)
     except ConfigError as error:

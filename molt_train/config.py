@@ -288,6 +288,13 @@ class LogConfig:
     """Write the PNG plots every this many steps (0 = only at the end)."""
     verbose: bool = False
     """Show all output on the terminal (third-party warnings, every actor's log); default: RUN_DIR/molt.log."""
+    rollouts: bool = False
+    """Save every trained episode and every evaluation play to RUN_DIR/rollouts/ as trajectory records
+    (gzipped JSON lines, molt-serve --trajectories' schema with the step: molt_train/saved_rollouts.py)."""
+    rollouts_every: int = 100
+    """Steps per file of saved rollouts."""
+    rollouts_groups: int = 0
+    """Save at most this many groups of each step (the first to finish), for long runs; 0 = all."""
 
 
 @dataclass
@@ -362,7 +369,7 @@ def validate(config: Config) -> None:
                         ("rollout.max_tokens", 1), ("rollout.max_failed_steps", 0), ("train.async_queue_size", 0),
                         ("train.warmup_steps", 0), ("train.sync_bucket_mb", 1), ("train.updates_per_batch", 1),
                         ("actor.world_size", 1), ("algo.max_staleness", 0), ("algo.max_extra_groups", 0),
-                        ("ckpt.every", 0),
+                        ("ckpt.every", 0), ("log.rollouts_every", 1), ("log.rollouts_groups", 0),
                         ("engine.data_parallel_size", 1), ("engine.tensor_parallel_size", 1)):
         need(functools.reduce(getattr, flag.split("."), config) >= least, flag, f"must be >= {least}")
     if config.actor.colocate:
@@ -395,9 +402,6 @@ def validate(config: Config) -> None:
     need(config.reward.batch_size >= 1, "reward.batch_size", "must be >= 1")
     need(config.reward.model is not None or config.reward.keep_env, "reward.keep_env",
          "false leaves no reward: give --reward.model")
-    need(config.reward.model is None or config.agent is None, "reward.model",
-         "scores the conversations the env runner plays; with --agent the loopback sees requests, not the "
-         "agent's conversation: score it in the agent's reward")
     need(config.eval.every >= 0, "eval.every", "must be >= 0 (0: not during training)")
     validate_eval(config.eval, need)
     engine = config.engine

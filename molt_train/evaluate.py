@@ -92,6 +92,7 @@ class Evaluator:
         self.eval, self.steps, self.workers, self.recover = config.eval, config.steps, workers, recover
         self.sampling = eval_sampling(config)
         self.last_reward: float | None = None
+        self.plays: list[dict] = []  # the last evaluation's records, one per play
 
     def due(self, step: int) -> bool:
         """After every `eval.every` steps and after the last; step 0 (before training) with `eval.at_start`."""
@@ -111,7 +112,7 @@ class Evaluator:
                     raise
                 await self.recover()
         summary = summarize(records, self.eval.pass_threshold)
-        self.last_reward = summary["reward"]
+        self.last_reward, self.plays = summary["reward"], records
         return {f"eval/{key}": value for key, value in summary.items()} | {"time/eval": time.perf_counter() - started}
 
     async def _play(self) -> list[dict]:

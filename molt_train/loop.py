@@ -6,7 +6,7 @@
         stats    <- the trainer: old logprobs, IS-correct, loss, backward, optimizer step
         weights  -> the engines (pause, load, version + 1, resume)
         eval     <- held-out episodes on the engines, when due (`evaluate`; never trained on)
-        metrics, checkpoint
+        metrics, saved rollouts (`--log.rollouts`), checkpoint
 
 Every step logs where its time went, as `time/*` seconds: `wait` (for the
 rollouts), `assemble`, `train` (= `pack` on the driver + `ray`, transfers and
@@ -35,6 +35,7 @@ from molt_train.console import Console
 from molt_train.evaluate import Evaluator
 from molt_train.metrics import Metrics, plot
 from molt_train.runtime import Runtime
+from molt_train.saved_rollouts import RolloutLog
 from molt_train.stop import StopSignals, Stopped
 
 
@@ -46,6 +47,7 @@ async def train(config, run_dir: Path, model_dir: str, console: Console) -> None
         console.phase(f"resuming from {resume_from}")
     runtime = await Runtime.start(config, model_dir, resume_from, state, console.phase)
     metrics = Metrics(run_dir, config, resume_step=state["step"])
+    rollouts = RolloutLog(run_dir, config.log, resume_step=state["step"]) if config.log.rollouts else None
     step, version = state["step"], state["version"]
     progress = console.progress(config.steps, step)
     evaluator = Evaluator(config, runtime.workers, recover=runtime.check_workers)
@@ -61,6 +63,8 @@ async def train(config, run_dir: Path, model_dir: str, console: Console) -> None
     try:
         if step == 0 and evaluator.due(0):  # the initial policy, as step 0
             metrics.log(0, await evaluator.run())
+            if rollouts:
+                rollouts.write(0, [], evaluator.plays)
             progress.set_postfix(eval=f"{evaluator.last_reward:.3f}")
         reported: set[str] = set()  # failure messages already shown
         failing: list[str] = []  # the first failure of each step in a row whose every episode failed
@@ -101,7 +105,8 @@ async def train(config, run_dir: Path, model_dir: str, console: Console) -> None
             synced = time.perf_counter() - syncing
 
             step += 1
-            if evaluator.due(step):  # the weights just synced, before the next step's sync
+            evaluated = evaluator.due(step)
+            if evaluated:  # the weights just synced, before the next step's sync
                 stats |= await evaluator.run()
             ended = time.perf_counter()
             stats |= {"version": version, "time/wait": waited, "time/assemble": assembled,
@@ -114,6 +119,8 @@ async def train(config, run_dir: Path, model_dir: str, console: Console) -> None
                       **_replaced_stats(runtime.groups.take_replaced(), groups),
                       "throughput/tokens_per_s": stats["tokens/trained"] / max(ended - started, 1e-9)}
             metrics.log(step, stats)
+            if rollouts:
+                rollouts.write(step, groups, evaluator.plays if evaluated else None)
             progress.update(1)
             shown = {} if evaluator.last_reward is None else {"eval": f"{evaluator.last_reward:.3f}"}
             progress.set_postfix(reward=f"{stats['reward/mean']:.3f}", **shown, refresh=False)

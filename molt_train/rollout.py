@@ -36,9 +36,10 @@ import ray
 
 from molt_agents.engines.base import SamplingParams
 from molt_agents.episode import EnginePlayer, Episode, LoopbackAgent
+from molt_env.judge import serve_policy
 from molt_env.split import EVAL, TRAIN, eval_seed, train_seed
 from molt_train.batch import Group
-from molt_train.config import EngineConfig, RolloutConfig
+from molt_train.config import EngineConfig, RewardConfig, RolloutConfig
 
 
 class RolloutWorker:
@@ -46,18 +47,22 @@ class RolloutWorker:
 
     def __init__(self, model_dir: str, env: str, rollout: RolloutConfig, engine: EngineConfig,
                  sampling: SamplingParams, *, seed: int = 0, version: int = 0, agent: str | None = None,
-                 colocate: bool = False, adapter: dict | None = None, reward: tuple | None = None):
+                 colocate: bool = False, adapter: dict | None = None, reward: RewardConfig | None = None,
+                 reward_model=None, keep_messages: bool = False):
         """`rollout` and `engine` as the run's config holds them (`engine.max_model_len` resolved); `sampling`
         the training episodes'; `seed` the engine's; `version` the weights' (a resumed run continues the
         count); `agent` a `ChatAgent` class that plays the episodes through the loopback; `adapter` a LoRA
-        adapter's config under LoRA (the weight updates are then its adapters); `reward` the reward model's
-        actor, weight and keep_env (`molt_train.reward_model`), which scores every training group."""
+        adapter's config under LoRA (the weight updates are then its adapters); `reward_model` the reward
+        model's actor, which scores every training group, its scores combined as `reward` says
+        (`molt_train.reward_model`); `keep_messages` puts each episode's chat messages on its trajectories,
+        and an evaluation play's trajectories in its record (saved rollouts)."""
         from transformers import AutoTokenizer
 
         from molt_agents.engines import make_engine
         from molt_agents.multimodal import Vision
 
-        self.env_spec, self.rollout, self.params, self.reward = env, rollout, sampling, reward
+        self.env_spec, self.rollout, self.params = env, rollout, sampling
+        self.reward, self.reward_model, self.keep_messages = reward, reward_model, keep_messages
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.vision = Vision(model_dir) if Vision.available(model_dir) else None  # observations may carry images
         self.engine = make_engine(engine.name, model_dir, dtype=engine.dtype, seed=seed,
@@ -68,6 +73,7 @@ class RolloutWorker:
         # and the broadcast lands in host memory; a GPU engine steps on a thread of its own, into which the
         # update streams.
         self.device = "cpu" if self.engine.stepping == "loop" else "cuda"
+        self.engine_config, self.loopback = engine, None
         if agent is None:
             self.player = EnginePlayer(self.engine, self.tokenizer, rollout.max_total_tokens, self.vision)
         else:  # episodes are played by the user's agent through the loopback
@@ -75,10 +81,11 @@ class RolloutWorker:
             from molt_agents.multimodal import ImageLimits
             from molt_env.registry import load_class
 
-            self.player = LoopbackAgent(load_class(agent)(), Loopback(
-                self.engine, self.tokenizer, max_model_len=engine.max_model_len,
-                default_max_tokens=sampling.max_tokens, vision=self.vision,
-                image_limits=ImageLimits(allow_remote=rollout.allow_remote_images)))
+            self.loopback = Loopback(self.engine, self.tokenizer, max_model_len=engine.max_model_len,
+                                     default_max_tokens=sampling.max_tokens, vision=self.vision,
+                                     image_limits=ImageLimits(allow_remote=rollout.allow_remote_images))
+            self.player = LoopbackAgent(load_class(agent)(), self.loopback)
+        serve_policy(self._policy_endpoint)  # for an LLM judge that asks the policy (`molt_env.Judge`)
         self.id = uuid.uuid4().hex  # a new one when Ray restarts this worker in a new process
         self.in_flight = 0
         self.idle = asyncio.Event()
@@ -98,21 +105,28 @@ class RolloutWorker:
         started = time.perf_counter()
         self.loop = asyncio.get_running_loop()
         episodes = await asyncio.gather(*(self._episode(group_index, env_seed, i) for i in range(size)))
-        if self.reward is not None:
+        if self.reward_model is not None:
             await self._score(episodes)
+        if self.keep_messages:
+            _keep_messages(episodes)
         return Group(group_index, [t for e in episodes for t in e.trajectories],
                      [e.failure for e in episodes if e.failure is not None], time.perf_counter() - started)
 
     async def _score(self, episodes: list[Episode]) -> None:
-        """The reward model's scores of the group's finished episodes, combined into their rewards."""
+        """The reward model's scores of the group's finished episodes, combined into their rewards. An agent's
+        episode with no chat request to read (raw completions alone) fails."""
         from molt_train.reward_model import combine
 
-        actor, weight, keep_env = self.reward
+        for episode in episodes:
+            if episode.failure is None and not episode.messages:
+                episode.failure = ("the reward model reads chat messages, and this episode made no chat request "
+                                   "(its agent used raw completions alone)")
+                episode.trajectories = []
         scored = [episode for episode in episodes if episode.failure is None]
         if scored:
-            scores = await actor.score.remote([episode.messages for episode in scored])
+            scores = await self.reward_model.score.remote([episode.messages for episode in scored])
             for episode, score in zip(scored, scores):
-                combine(episode.trajectories, score, weight, keep_env)
+                combine(episode.trajectories, score, self.reward.weight, self.reward.keep_env)
 
     async def evaluate(self, episodes: list[int], samples: int, sampling: SamplingParams,
                        on_episode=None) -> list[dict]:
@@ -129,6 +143,9 @@ class RolloutWorker:
             if played.trajectories:  # the play's text: its last context
                 played.text = self.tokenizer.decode(played.trajectories[-1].token_ids)
             record = episode_record(episode, seed, sample, played)
+            if self.keep_messages:
+                _keep_messages([played])
+                record["trajectories"] = [trajectory.to_dict() for trajectory in played.trajectories]
             if on_episode is not None:
                 on_episode(record)
             return record
@@ -226,11 +243,28 @@ class RolloutWorker:
         `update_weights`, so the check before each weight sync waits for no engine step."""
         return self.id
 
+    async def _policy_endpoint(self) -> tuple[str, str, str]:
+        """Where a judge reaches this worker's engine (`molt_env.judge.serve_policy`): the loopback's route
+        that captures nothing, served on the episodes' loop (the agent's loopback, or one of its own)."""
+        if self.loopback is None:
+            from molt_agents.loopback import Loopback
+
+            self.loopback = Loopback(self.engine, self.tokenizer, max_model_len=self.engine_config.max_model_len,
+                                     vision=self.vision)
+        await self.loopback.begin()
+        return f"http://{self.loopback.host}:{self.loopback.port}/v1", self.loopback.api_key, "policy"
+
     def close(self) -> None:
         """Stop the loopback and the engine (a worker made in this process, as `molt-eval` makes one)."""
-        if isinstance(self.player, LoopbackAgent):
-            self.player.close()
+        if self.loopback is not None:
+            self.loopback.stop()
         self.engine.close()
+
+
+def _keep_messages(episodes: list[Episode]) -> None:
+    for episode in episodes:
+        for trajectory in episode.trajectories:
+            trajectory.messages = episode.messages
 
 
 def training_sampling(config) -> SamplingParams:

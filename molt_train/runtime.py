@@ -90,13 +90,14 @@ class Runtime:
         lora = config.actor.lora if config.actor.lora.rank else None
         # A worker whose process dies is restarted by Ray with these arguments; `check_workers` then gives it
         # the current weights and version.
-        reward = self._start_reward_model() if config.reward.model else None
+        reward_model = self._start_reward_model() if config.reward.model else None
         worker = ray.remote(max_restarts=WORKER_RESTARTS, concurrency_groups={"control": 1})(RolloutWorker)
         self.workers = [worker.options(**self.placement.engine(i).options()).remote(
                             model_dir if lora else start_dir, config.env, config.rollout, config.engine,
                             training_sampling(config), seed=config.seed + i, version=state["version"],
                             agent=config.agent, colocate=config.actor.colocate,
-                            adapter=adapter_config(lora) if lora else None, reward=reward)
+                            adapter=adapter_config(lora) if lora else None, reward=config.reward,
+                            reward_model=reward_model, keep_messages=config.log.rollouts)
                         for i in range(config.engine.data_parallel_size)]
         rendezvous = await _started("the trainer's rendezvous", trainer_rendezvous(self.placement))
         self.trainer = TrainerGroup(model_dir, start_dir, config, self.placement, rendezvous)
@@ -120,8 +121,8 @@ class Runtime:
                                   recover=self.check_workers, max_extra=config.algo.max_extra_groups)
         return self
 
-    def _start_reward_model(self) -> tuple:
-        """The reward model's actor, and how its scores combine with the environment's reward."""
+    def _start_reward_model(self):
+        """The reward model's actor."""
         from molt_agents.tiny import model_dir as named_model_dir
         from molt_train.reward_model import RewardModel
 
@@ -130,7 +131,7 @@ class Runtime:
             str(named_model_dir(reward.model, default="reward")), reward.batch_size)
         self.report(f"reward model: {reward.model} (weight {reward.weight:g}"
                     f"{', plus the environment reward' if reward.keep_env else ', alone'})")
-        return actor, reward.weight, reward.keep_env
+        return actor
 
     async def _open_channel(self) -> None:
         rank0 = self.trainer.ranks[0]

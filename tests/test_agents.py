@@ -70,9 +70,15 @@ def test_tool_agents_on_three_sdks_leave_one_trajectory(loopback, dense_dir, res
         {"role": "assistant", "content": f"The answer is {task['answer']}."}], tools=[PYTHON_TOOL])
     trajectories = []
     for agent in (PythonToolAgent(), AgentsSDKPythonTool(), AnthropicPythonTool()):
+        conversation = []
         (trajectory,) = run(run_agent(agent, loopback, messages=as_messages(prompt), tools=[PYTHON_TOOL],
-                                      sampling={"temperature": 0.0, "max_tokens": 64}, task=task, env=env))
+                                      sampling={"temperature": 0.0, "max_tokens": 64}, task=task, env=env,
+                                      conversation=conversation))
         check(trajectory)
+        # the last chat request and its reply, whatever the wire (what a reward model reads)
+        assert [m["role"] for m in conversation][-3:] == ["assistant", "tool", "assistant"], conversation
+        assert conversation[-1]["content"] == f"The answer is {task['answer']}."
+        assert any(m["role"] == "user" and expression in str(m["content"]) for m in conversation)
         text = loopback.tokenizer.decode(trajectory.token_ids)
         assert trajectory.reward == 1.0, (type(agent).__name__, text)
         assert f"<tool_response>\n{task['answer']}\n" in text, text

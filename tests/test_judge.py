@@ -15,7 +15,7 @@ import pytest
 from conftest import molt_serve
 
 from molt_env import Judge, JudgeError
-from molt_env.judge import first_number
+from molt_env.judge import first_number, serve_policy
 
 
 class Endpoint:
@@ -160,3 +160,52 @@ def test_a_judge_through_molt_serve_drives_a_run_and_its_outage_drops_episodes_n
     assert all(r["rollouts/trained"] + r["episodes/failed"] == 16 for r in rows)
     assert all(r["reward/mean"] == pytest.approx(6 / 9) and r["reward/std"] < 1e-9 for r in rows)
     assert "an episode failed and was dropped:\nJudgeError: no score after 4 tries" in stdout + stderr
+
+
+def test_a_judge_asks_the_policy_on_a_loopback_route_that_captures_nothing(loopback):
+    """`Judge(base_url="policy")` reaches the engine its process registered (as a rollout worker registers its
+    own); the loopback's session-less route answers it, opens no session and captures nothing."""
+    import openai
+
+    judge = Judge("Rate this: {text}", parse=lambda reply: float(len(reply)), base_url="policy", max_tokens=8)
+    serve_policy(None)
+    with pytest.raises(JudgeError, match="this process serves none"):
+        asyncio.run(judge(text="a"))
+
+    async def endpoint():
+        return f"http://127.0.0.1:{loopback.port}/v1", loopback.api_key, "policy"
+
+    serve_policy(endpoint)
+    try:
+        score = asyncio.run(judge(text="a reply"))
+    finally:
+        serve_policy(None)
+    direct = openai.OpenAI(base_url=f"http://127.0.0.1:{loopback.port}/v1", api_key=loopback.api_key)
+    reply = direct.chat.completions.create(model="policy", max_tokens=8, temperature=0.0,
+                                           messages=[{"role": "user", "content": "Rate this: a reply"}])
+    print("the policy's reply to the judge:", repr(reply.choices[0].message.content))
+    assert score == len(reply.choices[0].message.content) > 0
+    assert reply.usage.completion_tokens > 0
+    assert loopback.sessions == {} and loopback.captured == []
+
+
+def test_a_run_judged_by_its_own_policy_judges_every_episode(tmp_path, ray_address):
+    """`judged_digit` with MOLT_JUDGE_URL=policy: each rollout worker's engine answers the judge; every
+    episode is scored by it (the judge's digit over 9), none dropped, and no judge token is trained."""
+    out = tmp_path / "self-judged"
+    result = subprocess.run([sys.executable, "-m", "molt_train.cli", "--out", str(out), "--ray.address", ray_address,
+                             "--env", "judged_digit", "--steps", "3", "--rollout.groups_per_step", "4",
+                             "--rollout.group_size", "4", "--train.async_queue_size", "0",
+                             "--rollout.max_failed_steps", "0", "--log.tensorboard", "false"],
+                            env={**os.environ, "MOLT_JUDGE_URL": "policy"}, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    print("rewards", [round(r["reward/mean"], 4) for r in rows], "right", [r["env/right"] for r in rows])
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert row["rollouts/trained"] == 16 and row.get("episodes/failed", 0) == 0
+        assert row["reward/mean"] == pytest.approx(row["env/judge"])
+        assert row["reward/mean"] * 16 * 9 == pytest.approx(round(row["reward/mean"] * 16 * 9), abs=1e-6)
+        # what is trained is the episodes' replies alone (one segment each)
+        assert row["tokens/trained"] == pytest.approx(16 * row["response_len/mean"])

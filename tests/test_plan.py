@@ -118,6 +118,35 @@ def test_a_run_that_does_not_fit_fails_naming_the_flag_to_change(flags, message)
     assert result.stderr.startswith(f"molt-train --dry-run: {message}"), result.stderr
 
 
+def test_dry_run_plans_the_reward_model_on_a_device_of_its_own():
+    """`--reward.model`: its parameters counted as transformers builds the sequence classifier (a score head in
+    place of the language-model head), a device of its own in the placement, and its GPU checked."""
+    from transformers import AutoModelForSequenceClassification
+
+    from molt_agents.tiny import tiny_model
+    from molt_train.plan.memory import reward_memory
+
+    reward_dir = tiny_model("reward")
+    built = sum(p.numel() for p in AutoModelForSequenceClassification.from_pretrained(reward_dir).parameters())
+    counted = reward_memory(shape(_config(reward_dir)), Config(), 4)
+    assert counted.params == built and counted.weights == 4 * built
+    tied = _config(ROOT / "recipes" / "models" / "qwen3-4b")
+    assert tied["tie_word_embeddings"] and reward_memory(shape(tied), Config(), 2).params == shape(tied).params + 2560
+
+    result = _dry_run("--reward.model", "tiny:reward", "--engine.data_parallel_size", "2")
+    assert result.returncode == 0, result.stderr
+    assert f"reward model, its own CPU (node 0, CPU 3): {built / 1e6:.2f}M parameters" in result.stdout
+    recipe = ["--config", "recipes/qwen3-4b.yaml", "--reward.model", "recipes/models/qwen3-4b"]
+    refused = _dry_run(*recipe)
+    assert refused.returncode == 1 and "+ --reward.model: the run places 9 GPUs and the cluster has 8" in refused.stderr
+    fits = _dry_run(*recipe, "--engine.data_parallel_size", "3")
+    assert fits.returncode == 0, fits.stderr
+    assert "reward model, its own GPU (node 0, GPU 7): 4.02B parameters" in fits.stdout
+    too_big = _dry_run(*recipe, "--engine.data_parallel_size", "3", "--reward.batch_size", "512")
+    assert too_big.returncode == 1 and too_big.stderr.startswith(
+        "molt-train --dry-run: --reward.batch_size 512: the reward model's GPU needs"), too_big.stderr
+
+
 def test_dry_run_counts_the_cpus_a_local_ray_gives_the_run():
     """A local Ray counts a CPU for every process it places, however few the machine has (`local_cpus`): the
     dry run plans with those, so a run that starts here is not refused by its own dry run."""

@@ -82,10 +82,27 @@ def test_a_run_rewarded_by_the_reward_model_alone_reports_both_rewards(tmp_path,
     assert len({round(r["reward/mean"], 6) for r in rows}) == 2  # scores, not a constant
 
 
+def test_an_agent_run_is_scored_by_the_reward_model_on_its_last_chat(tmp_path, ray_address):
+    """`--agent` with a reward model: the loopback keeps each episode's last chat request and its reply, and
+    the reward model scores that conversation (here alone, weight 0.5)."""
+    out = tmp_path / "rm-agent"
+    result = subprocess.run([sys.executable, "-m", "molt_train.cli", "--out", str(out), "--ray.address", ray_address,
+                             "--agent", "environments.agents:SingleTurnChat", "--steps", "2",
+                             "--rollout.groups_per_step", "2", "--rollout.group_size", "4",
+                             "--reward.model", "tiny:reward", "--reward.keep_env", "false", "--reward.weight", "0.5",
+                             "--log.tensorboard", "false"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    print("rm scores", [r["env/rm_score"] for r in rows], "env rewards", [r["env/env_reward"] for r in rows])
+    for row in rows:
+        assert row["rollouts/trained"] == 8 and row.get("episodes/failed", 0) == 0
+        assert row["reward/mean"] == pytest.approx(0.5 * row["env/rm_score"], abs=1e-6)
+        assert 0 <= row["env/env_reward"] <= 1
+    assert len({round(r["reward/mean"], 6) for r in rows}) == 2  # scores, not a constant
+
+
 @pytest.mark.parametrize("flags,needle", [
     (["--reward.keep_env", "false"], "--reward.keep_env: false leaves no reward: give --reward.model"),
-    (["--reward.model", "tiny:reward", "--agent", "environments.agents:LockerAgent"],
-     "--reward.model: scores the conversations the env runner plays"),
     (["--reward.model", "tiny:nope"], "--reward.model tiny:nope: no tiny model 'nope'"),
 ])
 def test_reward_flags_that_cannot_run_are_refused_naming_the_flag(flags, needle):

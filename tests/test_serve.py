@@ -26,6 +26,9 @@ def test_molt_serve_captures_sessions_to_a_file(tmp_path):
         assert record["session"] == "mine" and record["reward"] == 0.75
         assert {"token_ids", "mask", "logprobs", "versions", "finish_reason"} <= set(record)
         assert all((lp is not None) == bool(m) for m, lp in zip(record["mask"], record["logprobs"]))
+        # the session's last chat request and its first reply
+        assert record["messages"] == [{"role": "user", "content": "Hi"},
+                                      {"role": "assistant", "content": reply.choices[0].message.content}]
     assert sum(sum(r["mask"]) for r in records) == reply.usage.completion_tokens
 
 

@@ -11,6 +11,7 @@ token id, logprob and weight version is recorded behind its back:
     POST /s/<session>/v1/messages/count_tokens   anthropic SDK's base URL is http://127.0.0.1:PORT/s/<session>)
     GET  /s/<session>/v1/models
     POST /s/<session>/finish                {"reward": 1.0, "info": {...}} -> the session's trajectories
+    POST /v1/chat/completions               the policy, captured nowhere (an LLM judge asking the policy)
 
 A vision-language policy (`vision`) takes images as `image_url` content parts
 with `data:` URLs (base64 PNG / JPEG / WebP / GIF); http(s) URLs are fetched
@@ -79,6 +80,7 @@ class Loopback:
         self.sessions: dict[str, Session] = {}
         self._sessions_lock = threading.Lock()
         self._server = None
+        self._serving: asyncio.Future | None = None  # `begin`'s server on the caller's loop
         self._thread: threading.Thread | None = None
         # Chat and text completions stream as OpenAI's chunks, ended by [DONE].
         self._openai_wire = Wire(self._events, lambda error: streaming.event(error.body()), streaming.DONE)
@@ -170,6 +172,15 @@ class Loopback:
     def started(self) -> bool:
         return self._server is not None and self._server.started
 
+    async def begin(self) -> None:
+        """Serve on the running event loop in the background (once); returns when the port listens."""
+        if self._serving is None:
+            self._serving = asyncio.ensure_future(self.serve())
+        while not self.started:
+            if self._serving.done():
+                raise RuntimeError(f"the loopback could not start on port {self.port}")
+            await asyncio.sleep(0.01)
+
     def start(self) -> Loopback:
         """Serve from a background thread; returns once the port is listening."""
         self._pick_port()
@@ -183,6 +194,8 @@ class Loopback:
         return self
 
     def stop(self) -> None:
+        if self._serving is not None:
+            self._serving.cancel()
         if self._server is not None:
             self._server.should_exit = True
         if self._thread is not None:
@@ -293,6 +306,15 @@ class Loopback:
             return await self._respond(session, find_base, body, body.logprobs or 0, self._completion_response,
                                        self._openai_wire)
 
+        @app.post("/v1/chat/completions")
+        async def uncaptured(request: Request):
+            # The policy for a caller that trains nothing on it (an LLM judge: `molt_env.Judge("policy")`).
+            body = protocol.parse(ChatRequest, await self._read_json(request))
+            session = Session(uuid.uuid4().hex, self.tokenizer, vision=self.vision)  # this request's alone
+            find_base = await self._chat_base(session, body, param="messages")
+            return await self._respond(session, find_base, body, body.top_logprobs or 0, self._chat_response,
+                                       self._openai_wire)
+
         @app.post("/s/{session_id}/finish")
         async def finish(session_id: str, request: Request):
             body = protocol.parse(protocol.FinishRequest, await self._read_json(request))
@@ -372,7 +394,12 @@ class Loopback:
                                code="session_not_found")
             for segment, sample in zip(session.choices(base, body.n), samples):
                 segment.append_sample(sample)
-            return build(body, base, samples, self._stop(session, body))
+            stop = self._stop(session, body)
+            response = build(body, base, samples, stop)
+            if isinstance(body, ChatRequest):
+                reply = {"role": "assistant", "content": self._reply_text(samples[0], stop)}
+                session.chat = [*for_template(body.messages), reply]
+            return response
         except BaseException:  # a rejected, failed or abandoned request leaves no trace
             session.restore(mark)
             raise

@@ -31,6 +31,7 @@ class Session:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     vision: object | None = None  # the policy's image processor, for a vision-language model
     conversations: dict[str, list[dict]] = field(default_factory=dict)  # stored Responses replies, by id
+    chat: list[dict] | None = None  # the last chat request's messages and its first reply (what a reward model reads)
 
     def base_for_text(self, rendered: str, images: list = ()) -> Segment:
         """The segment to continue for a prompt that renders to `rendered` (with the conversation's `images`)."""
@@ -75,5 +76,6 @@ class Session:
     def trajectories(self, reward: float, info: dict | None = None) -> list[Trajectory]:
         kept = [s for s in self.segments if any(s.mask)]
         return [s.to_trajectory(reward=reward, rollout_id=self.rollout_id or self.id, group_id=self.group_id,
-                                segment=i, num_segments=len(kept), info={**(info or {}), "session": self.id})
+                                segment=i, num_segments=len(kept), info={**(info or {}), "session": self.id},
+                                messages=self.chat)
                 for i, s in enumerate(kept)]

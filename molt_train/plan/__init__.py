@@ -26,8 +26,10 @@ from molt_train.plan.memory import (
     DTYPE_BYTES,
     GB,
     EngineMemory,
+    RewardMemory,
     TrainerMemory,
     engine_memory,
+    reward_memory,
     trained_params,
     trainer_memory,
 )
@@ -47,16 +49,26 @@ class Plan:
     trainer: TrainerMemory
     engine: EngineMemory
     host: list[dict[str, float]]  # per node: what lives in its memory
+    reward: RewardMemory | None = None
 
 
-def make_plan(config: Config, model: dict, cluster: Cluster) -> Plan:
+def make_plan(config: Config, model: dict, cluster: Cluster, reward_model: dict | None = None) -> Plan:
+    """`reward_model`: the reward model's config.json, with `--reward.model`."""
     model_shape = shape(model)
     layout = place(config, cluster)
     device_gb = cluster.gpu_gb if cluster.gpus else cluster.cpu_gb
     engine = engine_memory(model_shape, config, device_gb, gpu=cluster.gpus > 0)
     trainer = trainer_memory(model_shape, config)
+    reward = reward_memory(shape(reward_model), config, _stored_bytes(reward_model)) if reward_model else None
     return Plan(config, model_shape, cluster, layout, trainer, engine,
-                host_memory(config, model, model_shape, layout, trainer, cluster))
+                host_memory(config, model, model_shape, layout, trainer, cluster), reward)
+
+
+def _stored_bytes(model: dict) -> int:
+    """Bytes per parameter as the checkpoint stores them (a vision-language model declares its dtype on its
+    text model)."""
+    text = text_config(model)
+    return DTYPE_BYTES.get(text.get("torch_dtype") or text.get("dtype") or "float32") or 4
 
 
 def host_memory(config: Config, model: dict, model_shape: Shape, layout: Layout, trainer: TrainerMemory,
@@ -65,9 +77,7 @@ def host_memory(config: Config, model: dict, model_shape: Shape, layout: Layout,
     for node, _ in layout.ranks:
         if trainer.host:
             hosts[node]["offloaded states"] = hosts[node].get("offloaded states", 0.0) + trainer.host
-    text = text_config(model)  # a vision-language model declares its dtype on its text model
-    stored = DTYPE_BYTES.get(text.get("torch_dtype") or text.get("dtype") or "float32") or 4
-    load_bytes = (stored if config.actor.world_size > 1 else 4) * model_shape.params
+    load_bytes = (_stored_bytes(model) if config.actor.world_size > 1 else 4) * model_shape.params
     hosts[layout.ranks[0][0]]["checkpoint read by rank 0"] = load_bytes
     sync_bytes = trained_params(model_shape, config) * (DTYPE_BYTES[config.engine.dtype] or 4)
     if config.train.weight_sync == "object_store":
@@ -164,6 +174,11 @@ def check(plan: Plan) -> None:
                           f"GPU holds {max(engine.kv_cache, 0) / GB:.1f} GB, less than one such sequence "
                           f"({engine.kv_per_token * config.rollout.max_total_tokens / GB:.1f} GB); raise "
                           "--engine.gpu_memory_utilization or --engine.tensor_parallel_size, or shorten episodes")
+    if cluster.gpus and plan.reward and plan.reward.total > cluster.gpu_gb * GB:
+        raise ConfigError(f"--reward.batch_size {config.reward.batch_size}: the reward model's GPU needs "
+                          f"{plan.reward.total / GB:.1f} GB of {cluster.gpu_gb:g} GB (weights "
+                          f"{plan.reward.weights / GB:.1f} GB): score fewer conversations at once, or use a smaller "
+                          "reward model")
     for node, parts in enumerate(plan.host):
         used = sum(parts.values()) + (0 if cluster.gpus else _cpu_device_bytes(plan, node))
         if used > cluster.cpu_gb * GB:
@@ -177,7 +192,8 @@ def _cpu_device_bytes(plan: Plan, node: int) -> float:
     """On a CPU cluster the trainer's and engines' memory is host memory too."""
     ranks = sum(1 for rank_node, _ in plan.layout.ranks if rank_node == node)
     engines = sum(1 for engine_node, _ in plan.layout.engines if engine_node == node)
-    return ranks * plan.trainer.total + engines * plan.engine.total
+    reward = plan.reward.total if plan.reward and plan.layout.reward[0] == node else 0.0
+    return ranks * plan.trainer.total + engines * plan.engine.total + reward
 
 
 def _trainer_fixes(plan: Plan, device_gb: float) -> list[str]:
@@ -263,6 +279,14 @@ def render(plan: Plan, model_path: str) -> str:
                                         f"{engine.gpu_memory_utilization} of {device_gb:.4g} GB)"
                                         + _verdict(e.weights + e.workspace, e.budget) if cluster.gpus
                                         else " (KV cache: VLLM_CPU_KVCACHE_SPACE GiB)")]
+    if plan.reward:
+        r, (node, device) = plan.reward, layout.reward
+        lines += [f"reward model, its own {kind} (node {node}, {kind} {device}): {_count_of(r.params)} parameters",
+                  _row("weights", r.weights),
+                  _row(f"forward ({config.reward.batch_size} x {config.rollout.max_total_tokens} tokens, estimate)",
+                       r.forward),
+                  _row("total", r.total) + (f" of {device_gb:.4g} GB" + _verdict(r.total, device_gb * GB)
+                                            if cluster.gpus else " (host memory)")]
     lines.append("host memory, per node")
     described = [(f"{sum(parts.values()) / GB:8.1f} GB of {cluster.cpu_gb:.4g} GB  ("
                   + (", ".join(f"{name} {value / GB:.1f} GB" for name, value in parts.items()) or "-") + ")")

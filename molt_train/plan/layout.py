@@ -33,17 +33,20 @@ class Cluster:
 
 @dataclass(frozen=True)
 class Layout:
-    """Per engine replica its node and devices; per trainer rank its node and device."""
+    """Per engine replica its node and devices; per trainer rank its node and device; the reward model's node
+    and device (`--reward.model`)."""
 
     engines: list[tuple[int, list[int]]]
     ranks: list[tuple[int, int]]
     colocated: bool
+    reward: tuple[int, int] | None = None
 
 
 def place(config: Config, cluster: Cluster) -> Layout:
     engine, actor = config.engine, config.actor
     free = [list(range(cluster.devices)) for _ in range(cluster.nodes)]
-    need = actor.world_size + (0 if actor.colocate else engine.data_parallel_size * engine.tensor_parallel_size)
+    need = (actor.world_size + (0 if actor.colocate else engine.data_parallel_size * engine.tensor_parallel_size)
+            + bool(config.reward.model))
     have = cluster.nodes * cluster.devices
     kind = "GPUs" if cluster.gpus else "CPUs"
     if not actor.colocate and engine.tensor_parallel_size > cluster.devices:
@@ -51,7 +54,8 @@ def place(config: Config, cluster: Cluster) -> Layout:
                           f"one node, and a node has {cluster.devices} {kind}")
     if need > have:
         raise ConfigError(f"--engine.data_parallel_size {engine.data_parallel_size} x --engine.tensor_parallel_size "
-                          f"{engine.tensor_parallel_size} + --actor.world_size {actor.world_size}: the run places "
+                          f"{engine.tensor_parallel_size} + --actor.world_size {actor.world_size}"
+                          f"{' + --reward.model' if config.reward.model else ''}: the run places "
                           f"{need} {kind} and the cluster has {have} ({cluster.nodes} node(s) x {cluster.devices}); "
                           "set --cluster.nodes or shrink the run")
     engines = []
@@ -71,4 +75,6 @@ def place(config: Config, cluster: Cluster) -> Layout:
     ranks.sort()
     if actor.colocate:
         engines = [(node, [device]) for node, device in ranks[:engine.data_parallel_size]]
-    return Layout(engines, ranks, actor.colocate)
+    reward = next(((node, free[node][0]) for node in range(cluster.nodes) if free[node]), None) \
+        if config.reward.model else None
+    return Layout(engines, ranks, actor.colocate, reward)

@@ -30,6 +30,9 @@ Pure arithmetic, no torch. What each term counts, per trainer rank:
   with the AutoModel backend and for vision-language models, which the
   packer gives one row.
 
+The reward model (`--reward.model`, `RewardMemory`) holds its weights and one
+batch's forward on a device of its own.
+
 The per-token coefficients of a block are counted on transformers' Qwen3 and
 Qwen3-MoE blocks (the tensors autograd saves, in units of the compute dtype's
 element; bf16 keeps a few fp32 copies in its norms, hence larger numbers);
@@ -200,3 +203,26 @@ def engine_memory(shape: Shape, config: Config, device_gb: float, gpu: bool = Tr
         budget = weights + workspace + kv_cache
     sequences = int(max(kv_cache, 0) // (kv_per_token * rollout.max_total_tokens))
     return EngineMemory(weights, workspace, kv_cache, kv_per_token, budget, sequences)
+
+
+@dataclass(frozen=True)
+class RewardMemory:
+    """Bytes on the reward model's device: its weights (no language-model head: a one-output score head in
+    its place) and one forward of `--reward.batch_size` conversations of up to `rollout.max_total_tokens`
+    tokens without gradients (two hidden states and the MLP's two intermediate tensors per token, in the
+    weights' dtype: an estimate, attention workspace not counted)."""
+
+    params: int
+    weights: float
+    forward: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.forward
+
+
+def reward_memory(shape: Shape, config: Config, stored_bytes: int) -> RewardMemory:
+    params = shape.params - (0 if shape.tied else shape.vocab * shape.hidden) + shape.hidden
+    tokens = config.reward.batch_size * config.rollout.max_total_tokens
+    forward = tokens * (2 * shape.hidden + 2 * shape.intermediate) * stored_bytes
+    return RewardMemory(params, params * stored_bytes, forward)

@@ -43,9 +43,9 @@ def _bool_flags(cls=Config, prefix: str = "") -> set[str]:
     return flags
 
 
-def _bare_booleans(argv: list[str]) -> list[str]:
-    """`--resume` alone means `--resume true`, for every boolean flag."""
-    flags, out = _bool_flags(), []
+def _bare_booleans(argv: list[str], cls=Config) -> list[str]:
+    """`--resume` alone means `--resume true`, for every boolean flag of `cls` (a config dataclass)."""
+    flags, out = _bool_flags(cls), []
     for i, arg in enumerate(argv):
         out.append(arg)
         following = argv[i + 1].lower() if i + 1 < len(argv) else ""

@@ -22,8 +22,8 @@ LOG = "molt.log"
 
 
 class Console:
-    def __init__(self, run_dir: Path, verbose: bool):
-        self.log_path = run_dir / LOG
+    def __init__(self, run_dir: Path, verbose: bool, prog: str = "molt-train"):
+        self.log_path, self.prog = run_dir / LOG, prog
         self.started = time.perf_counter()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -46,14 +46,14 @@ class Console:
     def progress(self, total: int, done: int):
         from tqdm import tqdm
 
-        return tqdm(total=total, initial=done, desc="molt-train", unit="step", dynamic_ncols=True,
+        return tqdm(total=total, initial=done, desc=self.prog, unit="step", dynamic_ncols=True,
                     file=self.terminal)
 
     def failed(self, error: BaseException) -> str:
         """Write the traceback to the log; the one line for the terminal."""
         with open(self.log_path, "a") as log:
             traceback.print_exception(error, file=log)
-        return f"molt-train: {cause(error)} (traceback in {self.log_path})"
+        return f"{self.prog}: {cause(error)} (traceback in {self.log_path})"
 
 
 class StartupError(RuntimeError):

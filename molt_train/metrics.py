@@ -56,6 +56,7 @@ class Metrics:
 
 PANELS = [
     ("reward", ["reward/mean", "eval/reward"]),  # training (sampled, trained on) and held-out evaluation
+    ("supervised loss (nats per token)", ["sft/loss", "sft/eval_loss"]),  # molt-sft
     ("response length (tokens)", ["response_len/mean"]),
     ("seconds per step", ["time/step", "time/generate", "time/wait", "time/train", "time/sync", "time/eval"]),
     ("trainer seconds per step", ["time/forward_backward", "time/logprobs", "time/optimizer", "time/ray"]),
@@ -72,8 +73,10 @@ def plot(run_dir: Path) -> Path:
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     env_keys = sorted({key for record in records for key in record if key.startswith("env/")})
-    panels = PANELS + ([("environment (episode info, mean)", env_keys)] if env_keys else [])
-    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6))
+    panels = [(title, keys) for title, keys in PANELS + [("environment (episode info, mean)", env_keys)]
+              if any(record.get(key) is not None for record in records for key in keys)] or PANELS[:1]
+    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+    axes = axes[0]
     for axis, (title, keys) in zip(axes, panels):
         for key in keys:
             points = [(r["step"], r[key]) for r in records if r.get(key) is not None]

@@ -95,7 +95,7 @@ def turn_threads(config: Config, cpus: int, gpus: bool) -> tuple[int | None, int
     if gpus or config.ray.address or config.train.async_queue_size:
         return None, None
     engine_processes = config.engine.data_parallel_size * config.engine.tensor_parallel_size
-    return max(1, cpus // engine_processes), max(1, cpus // config.actor.world_size)
+    return max(1, cpus // max(engine_processes, 1)), max(1, cpus // config.actor.world_size)
 
 
 def node_order(bundle_nodes: list[str]) -> list[int]:

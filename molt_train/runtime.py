@@ -71,9 +71,10 @@ def _describe(nodes: dict[str, list[str]]) -> str:
 
 class Runtime:
     @classmethod
-    async def start(cls, config, model_dir: str, resume_from, state: dict, phase=print) -> Runtime:
-        """Start Ray, the rollout workers and the trainer; `phase(line)` reports each step of start-up.
-        A component that fails to start raises `StartupError` naming it and the cause."""
+    async def start(cls, config, model_dir: str, resume_from, state: dict, phase=print, sft: bool = False) -> Runtime:
+        """Start Ray, the rollout workers and the trainer (`sft`: on the supervised loss, for `molt-sft`);
+        `phase(line)` reports each step of start-up. A component that fails to start raises `StartupError`
+        naming it and the cause."""
         self = cls()
         self.config, self.version, self.report = config, state["version"], phase
         self.owns_ray = not ray.is_initialized()
@@ -100,7 +101,7 @@ class Runtime:
                             reward_model=reward_model, keep_messages=config.log.rollouts)
                         for i in range(config.engine.data_parallel_size)]
         rendezvous = await _started("the trainer's rendezvous", trainer_rendezvous(self.placement))
-        self.trainer = TrainerGroup(model_dir, start_dir, config, self.placement, rendezvous)
+        self.trainer = TrainerGroup(model_dir, start_dir, config, self.placement, rendezvous, sft)
         description = await _started("the trainer", self.trainer.ranks[0].describe.remote())
         phase(f"actor: {description}")
         if resume_from:

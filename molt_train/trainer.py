@@ -34,10 +34,12 @@ async def rendezvous(placement: Placement) -> str:
 
 
 class TrainerGroup:
-    def __init__(self, model_dir: str, start_dir: str, config: Config, placement: Placement, rendezvous: str):
+    def __init__(self, model_dir: str, start_dir: str, config: Config, placement: Placement, rendezvous: str,
+                 sft: bool = False):
         """Ranks that train from the weights in `start_dir` (the model, or a checkpoint's policy when
         resuming), with the run's model in `model_dir` as the KL reference; each rank in its `placement`
-        slot, meeting the others at `rendezvous` (host:port on rank 0's node, see `rendezvous`)."""
+        slot, meeting the others at `rendezvous` (host:port on rank 0's node, see `rendezvous`); with
+        `sft`, on the negative log-likelihood of the trained tokens (`molt-sft`)."""
         self.world_size = config.actor.world_size
         # Ranks in a row share one model replica (tensor / context parallel) and its micro-batches.
         self.data_parallel = config.actor.data_parallel
@@ -50,20 +52,32 @@ class TrainerGroup:
         self.rows = config.actor.backend == "fsdp2"
         actor = ray.remote(PolicyRank)
         self.ranks = [actor.options(**placement.trainer_rank(rank).options()).remote(
-                          model_dir, start_dir, rank, self.world_size, f"tcp://{rendezvous}", config)
+                          model_dir, start_dir, rank, self.world_size, f"tcp://{rendezvous}", config, sft)
                       for rank in range(self.world_size)]
+
+    def _shares(self, items: list[TrainItem]) -> list:
+        """`items` packed into micro-batches and dealt to the data-parallel replicas."""
+        rows = self.rows and not any(item.images for item in items)
+        return deal(pack(items, self.micro_batch_tokens, rows, self.tree_tokens), self.data_parallel)
 
     async def step(self, items: list[TrainItem]) -> StepStats:
         """One optimizer step (or `updates_per_batch` of them) on `items`; the statistics of the whole group."""
         started = time.perf_counter()
-        rows = self.rows and not any(item.images for item in items)
-        shares = deal(pack(items, self.micro_batch_tokens, rows, self.tree_tokens), self.data_parallel)
+        shares = self._shares(items)
         step_tokens = sum(sum(item.mask) for item in items)
         packed = time.perf_counter() - started
         stats = await _gather([rank.step.remote(shares[index // self.replica_ranks], step_tokens, self.updates)
                                for index, rank in enumerate(self.ranks)])
         # one rank per replica: its tokens counted once
         return replace(StepStats.reduce(stats[::self.replica_ranks]), seconds_pack=packed)
+
+    async def nll(self, items: list[TrainItem]) -> float:
+        """The mean negative log-likelihood of the tokens `items` train, under the current weights."""
+        shares = self._shares(items)
+        sums = await _gather([rank.nll.remote(shares[index // self.replica_ranks])
+                              for index, rank in enumerate(self.ranks)])
+        total, tokens = (sum(values) for values in zip(*sums[::self.replica_ranks]))
+        return total / max(tokens, 1)
 
     async def weights(self) -> dict:
         return (await _gather([rank.full_weights.remote(for_sync=True) for rank in self.ranks]))[0]

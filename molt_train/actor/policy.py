@@ -33,8 +33,8 @@ from molt_agents.hf_model import as_model_input, load_model
 from molt_train.actor import automodel, fsdp, lora
 from molt_train.actor.host_adamw import HostAdamW
 from molt_train.actor.routing_replay import RoutingReplay, freeze_routers, moe_routers
-from molt_train.algorithms.losses import entropy_from_logits
-from molt_train.algorithms.objective import objective
+from molt_train.algorithms.losses import entropy_from_logits, nll
+from molt_train.algorithms.objective import Objective, objective
 from molt_train.algorithms.off_policy import mismatch
 from molt_train.config import ActorConfig, Config
 from molt_train.packing import MicroBatch
@@ -234,18 +234,19 @@ def _per_token_head(model, targets: torch.Tensor, selected: torch.Tensor | None,
 
 class PolicyRank:
     def __init__(self, model_dir: str, start_dir: str, rank: int, world_size: int, init_method: str,
-                 config: Config):
+                 config: Config, sft: bool = False):
         """Rank `rank` of `world_size` (meeting at `init_method`) of the run `config` (its `train`, `algo`,
         `actor`, `steps`, `seed` and `engine.dtype`). The policy starts from the weights in `start_dir` (the
         run's model, or a checkpoint's policy when resuming); the reference model of the KL penalty is always
-        the run's model in `model_dir`. The weight sync sends floating-point weights in the engines' dtype."""
+        the run's model in `model_dir`. The weight sync sends floating-point weights in the engines' dtype.
+        `sft`: the loss is the trained tokens' negative log-likelihood (`molt-sft`), not `algo`'s objective."""
         train, algo, actor = config.train, config.algo, config.actor
         torch.manual_seed(config.seed)
         self.rank, self.world_size, self.data_parallel = rank, world_size, actor.data_parallel
         self.engine_dtype = getattr(torch, config.engine.dtype)
         self.context_parallel = actor.context_parallel
         self.vocab_parallel = actor.tensor_parallel > 1  # the output head is sharded on the vocabulary
-        self.train_config, self.algo = train, algo
+        self.train_config, self.algo, self.sft = train, algo, sft
         self.chunk_tokens = actor.logprob_chunk_tokens
         self.device = fsdp.init_process_group(rank, world_size, init_method)
         # LoRA: the model's weights are the run's model's; a resumed run's adapters are in `start_dir`.
@@ -390,6 +391,14 @@ class PolicyRank:
         return out
 
     @torch.no_grad()
+    def nll(self, micro_batches: list[MicroBatch]) -> tuple[float, int]:
+        """The trained tokens' negative log-likelihood under the current weights, summed, and their count
+        (a held-out loss)."""
+        prepared = self.logprobs(micro_batches)
+        return (sum(float(nll(p.old, mb.mask)) for p, mb in zip(prepared, micro_batches)),
+                sum(int(mb.mask.sum()) for mb in micro_batches))
+
+    @torch.no_grad()
     def _reference_logprobs(self, mb: MicroBatch, shard: automodel.SequenceShard | None) -> torch.Tensor | None:
         if self.algo.kl_coef <= 0:
             return None
@@ -424,8 +433,9 @@ class PolicyRank:
                     olds.append(p.old)
                 else:
                     p = prepared[index]
-                terms = objective(algo, logprobs, p.old, p.ref, mb.engine_logprobs, mb.advantages, mb.mask,
-                                  mb.sequence, entropy)
+                terms = (Objective(nll(logprobs, mb.mask), 0.0, int(mb.mask.sum()), None, None) if self.sft else
+                         objective(algo, logprobs, p.old, p.ref, mb.engine_logprobs, mb.advantages, mb.mask,
+                                   mb.sequence, entropy))
                 with self._passes(mb, shard):
                     (terms.loss * scale).backward()
                 stats.loss_sum += float(terms.loss.detach())

@@ -81,3 +81,8 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of each row's categorical distribution."""
     logp = torch.log_softmax(logits.float(), -1)
     return -(logp.exp() * logp).sum(-1)
+
+
+def nll(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Supervised fine-tuning's loss: the negative log-likelihood of the masked tokens, summed."""
+    return -(logprobs * mask).sum()

@@ -108,3 +108,20 @@ def test_molt_sft_learns_chat_replies_and_a_resumed_run_continues(tmp_path, ray_
     print("eval/reward", {step: row["eval/reward"] for step, row in evals.items()}, "asked", asked)
     assert sorted(evals) == [0, 3, 6] and [evals[s]["eval/version"] for s in (0, 3, 6)] == [0, 1, 2]
     assert evals[6]["eval/reward"] == asked.count("4") / 10
+
+
+def test_molt_sft_trains_lora_adapters(tmp_path, ray_address):
+    """`--actor.lora.rank`: the adapters train (the loss falls) and the checkpoint holds them in PEFT's
+    format, as molt-train's LoRA checkpoints do."""
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Say something {i}."},
+                                                     {"role": "assistant", "content": "4"}]}) + "\n"
+                            for i in range(32)))
+    out = tmp_path / "lora"
+    _molt_sft(out, ray_address, "--data.path", str(data), "--data.batch_size", "16", "--data.eval_fraction", "0",
+              "--steps", "6", "--train.lr", "1e-2", "--actor.lora.rank", "8")
+    losses = [row["sft/loss"] for row in _metrics(out)]
+    print("LoRA training loss", [round(loss, 3) for loss in losses])
+    assert losses[-1] < losses[0] / 2
+    adapter = out / "checkpoints" / "step_000006" / "adapter"
+    assert (adapter / "adapter_config.json").exists() and not (adapter.parent / "policy").exists()

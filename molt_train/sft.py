@@ -99,7 +99,7 @@ class SFTConfig:
     """Continue the run in --out from its latest checkpoint."""
     seed: int = 0
     """Random seed: the held-out split, the order of examples, initialisation."""
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(lr=1e-4, lr_schedule="cosine", warmup_steps=0))
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(lr=1e-4))
     actor: ActorConfig = field(default_factory=ActorConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     log: LogConfig = field(default_factory=LogConfig)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from molt_agents.chat_template import render_text
+from molt_agents.multimodal import is_image_part
 from molt_env.trajectory import Trajectory, check
 from molt_train import saved_rollouts
 
@@ -45,6 +46,9 @@ def chat_examples(tokenizer, messages: list[dict], tools: list[dict] | None = No
     turns = [i for i, message in enumerate(messages) if message.get("role") == "assistant"]
     if not turns:
         raise ValueError(f"{source}: the conversation has no assistant message to train on")
+    if any(isinstance(m.get("content"), list) and any(map(is_image_part, m["content"])) for m in messages):
+        raise ValueError(f"{source}: chat records with images are not supported; train on trajectory records (a "
+                         "run's saved rollouts), which carry their image tensors")
     replies = []  # (the text up to and with reply i, the reply's character span in it)
     for i in turns[-1:] if last_turn_only else turns:
         prompt = render_text(tokenizer, messages[:i], tools, add_generation_prompt=True)

@@ -209,6 +209,11 @@ def test_a_template_that_drops_earlier_reasoning_gets_one_example_per_reply(qwen
 def test_chat_errors_name_the_record(tiny):
     with pytest.raises(ValueError, match="chat.jsonl:3: the conversation has no assistant message"):
         chat_examples(tiny, [{"role": "user", "content": "Hi"}], source="chat.jsonl:3")
+    picture = [{"type": "text", "text": "What is this?"},
+               {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+    with pytest.raises(ValueError, match="chat.jsonl:5: chat records with images are not supported"):
+        chat_examples(tiny, [{"role": "user", "content": picture}, {"role": "assistant", "content": "A cat."}],
+                      source="chat.jsonl:5")
     opening = copy.deepcopy(tiny)  # DeepSeek-R1's way: the generation prompt opens `<think>`, a rendered turn does not
     opening.chat_template = QWEN3_TEMPLATE.replace("{{- '<|im_start|>assistant\\n' -}}{%- endif -%}",
                                                    "{{- '<|im_start|>assistant\\n<think>\\n' -}}{%- endif -%}")

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
                 out.write(json.dumps({"session": trajectory.info.get("session"), **trajectory.to_dict()}) + "\n")
 
     loopback = Loopback(engine, tokenizer, model_name=Path(model).name, host=args.host, port=args.port,
-                        api_key=args.api_key, max_model_len=args.max_model_len, auto_sessions=True,
+                        api_key=args.api_key, max_model_len=args.max_model_len, auto_sessions=True, keep_messages=True,
                         on_finish=write, vision=Vision(model) if Vision.available(model) else None,
                         image_limits=ImageLimits(allow_remote=args.allow_remote_images))
     loopback.start()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import math
 import random
@@ -140,10 +141,17 @@ def batch(examples: list, size: int, step: int, seed: int) -> list:
     chosen = []
     while len(chosen) < size:
         epoch, offset = divmod(start + len(chosen), len(examples))
-        order = list(range(len(examples)))
-        random.Random(seed * 100_003 + epoch).shuffle(order)
+        order = _order(len(examples), seed, epoch)
         chosen += [examples[i] for i in order[offset:offset + size - len(chosen)]]
     return chosen
+
+
+@functools.lru_cache(maxsize=2)
+def _order(count: int, seed: int, epoch: int) -> list[int]:
+    """Epoch `epoch`'s order of `count` examples (a step may end one epoch and start the next)."""
+    order = list(range(count))
+    random.Random(seed * 100_003 + epoch).shuffle(order)
+    return order
 
 
 def items(examples: list) -> list:

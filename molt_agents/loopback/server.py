@@ -62,12 +62,14 @@ class Loopback:
 
     `auto_sessions`: create a session on first use of an unknown id (molt-serve);
     off, an unknown session is a 404 (training, where the runner opens sessions).
-    `on_finish(trajectories)` receives each finished session's segments.
+    `on_finish(trajectories)` receives each finished session's segments; with `keep_messages` they carry
+    the session's last chat request and reply (`Trajectory.messages`: molt-serve's files).
     """
 
     def __init__(self, engine, tokenizer, *, model_name: str = "policy", host: str = "127.0.0.1",
                  port: int = 0, api_key: str | None = None, max_model_len: int = 4096,
                  default_max_tokens: int = 512, max_body_bytes: int = 8 << 20, auto_sessions: bool = False,
+                 keep_messages: bool = False,
                  on_finish: Callable[[list[Trajectory]], None] | None = None, vision=None,
                  image_limits: ImageLimits = ImageLimits()):
         self.engine, self.tokenizer = engine, tokenizer
@@ -77,6 +79,7 @@ class Loopback:
         self.api_key = api_key or secrets.token_urlsafe(24)
         self.max_model_len, self.default_max_tokens = max_model_len, default_max_tokens
         self.max_body_bytes, self.auto_sessions, self.on_finish = max_body_bytes, auto_sessions, on_finish
+        self.keep_messages = keep_messages
         self.sessions: dict[str, Session] = {}
         self._sessions_lock = threading.Lock()
         self._server = None
@@ -110,7 +113,7 @@ class Loopback:
         """
         with self._sessions_lock:
             session = self._existing(session_id)
-            trajectories = session.trajectories(reward, info)
+            trajectories = session.trajectories(reward, info, self.keep_messages)
             del self.sessions[session_id]  # claimed: a concurrent finish of this session is a 404
             session.finished = True
         if self.on_finish is not None:

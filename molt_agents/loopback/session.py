@@ -73,9 +73,11 @@ class Session:
             segment.truncate(length)
             segment.finish_reason = finish_reason
 
-    def trajectories(self, reward: float, info: dict | None = None) -> list[Trajectory]:
+    def trajectories(self, reward: float, info: dict | None = None, messages: bool = False) -> list[Trajectory]:
+        """The session's segments with its reward (segments with nothing sampled left out); with `messages`,
+        each carries the session's last chat (`chat`)."""
         kept = [s for s in self.segments if any(s.mask)]
         return [s.to_trajectory(reward=reward, rollout_id=self.rollout_id or self.id, group_id=self.group_id,
                                 segment=i, num_segments=len(kept), info={**(info or {}), "session": self.id},
-                                messages=self.chat)
+                                messages=self.chat if messages else None)
                 for i, s in enumerate(kept)]

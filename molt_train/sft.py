@@ -3,8 +3,9 @@
     molt-sft --data.path chats.jsonl --model DIR --epochs 2
     molt-sft --data.path runs/digit-X/rollouts --data.min_reward 1 --env digit --eval.every 20
 
-The data (`sft_data`): chat JSON lines (`messages`, optional `tools`), the
-loss on the assistant's tokens as the model's own chat template marks them;
+The data (`sft_data`): chat JSON lines (`messages`, optional `tools`, images
+as data: URLs for a vision-language model), the loss on the assistant's
+tokens as the model's own chat template marks them;
 or trajectory records (a run's `--log.rollouts`, `molt-serve --trajectories`)
 trained on their own token ids and masks, with `--data.min_reward` and
 `--data.best_of_group` for rejection-sampling fine-tuning. A share of the
@@ -238,6 +239,7 @@ def check(config: SFTConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
+    from molt_agents.multimodal import Vision
     from molt_agents.tiny import model_dir as named_model_dir
     from molt_train.console import Console
     from molt_train.sft_data import load_examples
@@ -249,8 +251,9 @@ def main(argv: list[str] | None = None) -> None:
         check(config)
         model_dir = str(named_model_dir(config.model))
         data = config.data
+        vision = Vision(model_dir) if Vision.available(model_dir) else None
         found = load_examples(data.path, AutoTokenizer.from_pretrained(model_dir), data.kind, data.last_turn_only,
-                              data.min_reward, data.best_of_group)
+                              data.min_reward, data.best_of_group, vision)
     except (ConfigError, ValueError) as error:
         sys.exit(f"molt-sft: {error}")
     fitting = [example for example in found if len(example.token_ids) <= data.max_tokens]

@@ -8,6 +8,10 @@ the whole conversation, one sequence holds every reply; a template that rewrites
 `<think>` block of earlier turns once a user speaks again) gets one sequence per assistant turn instead, the
 context as the model saw it when it replied.
 
+A conversation with images (OpenAI `image_url` parts, data: URLs) is rendered with one placeholder per image and
+each placeholder expanded by the model's own processor (`molt_agents.multimodal.Vision`), as the env runner and
+the loopback do; the image tokens are never trained and their tensors go to the forward.
+
 Trajectory records (`molt_env.trajectory`) are trained token-exact on their own mask. `min_reward` and
 `best_of_group` select rollouts for rejection-sampling fine-tuning; evaluation plays are never trained on.
 """
@@ -19,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from molt_agents.chat_template import render_text
-from molt_agents.multimodal import is_image_part
+from molt_agents.multimodal import chat_images, collapse, for_template, is_image_part, join_images
 from molt_env.trajectory import Trajectory, check
 from molt_train import saved_rollouts
 
@@ -40,15 +44,21 @@ class Example:
 
 
 def chat_examples(tokenizer, messages: list[dict], tools: list[dict] | None = None,
-                  last_turn_only: bool = False, source: str = "") -> list[Example]:
+                  last_turn_only: bool = False, source: str = "", vision=None) -> list[Example]:
     """The conversation with its assistant replies trained: one Example, or one per reply where the template
-    rewrites earlier turns (see the module docstring)."""
+    rewrites earlier turns (see the module docstring). Images need the model's `vision` (a `Vision`)."""
     turns = [i for i, message in enumerate(messages) if message.get("role") == "assistant"]
     if not turns:
         raise ValueError(f"{source}: the conversation has no assistant message to train on")
+    pictures = []
     if any(isinstance(m.get("content"), list) and any(map(is_image_part, m["content"])) for m in messages):
-        raise ValueError(f"{source}: chat records with images are not supported; train on trajectory records (a "
-                         "run's saved rollouts), which carry their image tensors")
+        if vision is None:
+            raise ValueError(f"{source}: the conversation holds images and the model has no image processor")
+        try:
+            pictures = chat_images(messages)
+        except ValueError as error:
+            raise ValueError(f"{source}: {error}") from None
+        messages = for_template(messages)
     replies = []  # (the text up to and with reply i, the reply's character span in it)
     for i in turns[-1:] if last_turn_only else turns:
         prompt = render_text(tokenizer, messages[:i], tools, add_generation_prompt=True)
@@ -59,15 +69,30 @@ def chat_examples(tokenizer, messages: list[dict], tools: list[dict] | None = No
         replies.append((upto, (len(prompt), max(len(prompt), len(upto.rstrip())))))
     full = render_text(tokenizer, messages, tools, add_generation_prompt=False)
     if all(full.startswith(upto) for upto, _ in replies):
-        return [_example(tokenizer, full, [span for _, span in replies], source)]
-    return [_example(tokenizer, upto, [span], source) for upto, span in replies]
+        return [_example(tokenizer, full, [span for _, span in replies], source, vision, pictures)]
+    return [_example(tokenizer, upto, [span], source, vision, pictures) for upto, span in replies]
 
 
-def _example(tokenizer, text: str, spans: list[tuple[int, int]], source: str) -> Example:
+def _example(tokenizer, text: str, spans: list[tuple[int, int]], source: str, vision, pictures: list) -> Example:
     # Tokenized as the env runner does (`encode(text, add_special_tokens=False)`), with character offsets.
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(encoding["input_ids"])
     mask = [int(any(begin <= start < end for begin, end in spans)) for start, _ in encoding["offset_mapping"]]
-    return Example(list(encoding["input_ids"]), mask, source)
+    shown = text.count(vision.image_token) if vision is not None else 0  # the images this text has reached
+    if not shown:
+        return Example(ids, mask, source)
+    expanded, images, tensors = vision.encode(text, pictures[:shown])
+    if collapse(expanded, images, vision.placeholder_id) != ids:
+        raise ValueError(f"{source}: the processor tokenizes the text around the images differently from the "
+                         "tokenizer, so the replies cannot be located")
+    wide, image = [], 0  # the mask with each placeholder widened to its image's span, never trained
+    for token, trained in zip(ids, mask):
+        if token == vision.placeholder_id:
+            wide += [0] * images[image][1]
+            image += 1
+        else:
+            wide.append(trained)
+    return Example(expanded, wide, source, join_images(tensors))
 
 
 # --------------------------------------------------------------------------
@@ -112,10 +137,11 @@ def _trajectory_examples(located: list[tuple[str, dict]], min_reward: float | No
 
 
 def load_examples(path: str | Path, tokenizer, kind: str = "auto", last_turn_only: bool = False,
-                  min_reward: float | None = None, best_of_group: bool = False) -> list[Example]:
+                  min_reward: float | None = None, best_of_group: bool = False, vision=None) -> list[Example]:
     """The examples of a `.jsonl` / `.jsonl.gz` file, or of every such file in a directory (by name), e.g. a
     run's `rollouts/`. `kind` "auto" reads each file's first record: `token_ids` makes it trajectories,
-    `messages` chat. The filters apply to trajectory records, pooled across files."""
+    `messages` chat. The filters apply to trajectory records, pooled across files. `vision`: the model's
+    processor, for chats with images."""
     if kind not in KINDS:
         raise ValueError(f"kind {kind!r}: choose one of {', '.join(KINDS)}")
     path = Path(path)
@@ -135,7 +161,8 @@ def load_examples(path: str | Path, tokenizer, kind: str = "auto", last_turn_onl
             elif "messages" not in record:
                 raise ValueError(f"{source}: a chat record needs 'messages'")
             else:
-                chats += chat_examples(tokenizer, record["messages"], record.get("tools"), last_turn_only, source)
+                chats += chat_examples(tokenizer, record["messages"], record.get("tools"), last_turn_only, source,
+                                       vision)
     examples = chats + _trajectory_examples(trajectories, min_reward, best_of_group)
     if not examples:
         after = f" after the filters {', '.join(filters)}" if filters else ""

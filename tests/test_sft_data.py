@@ -5,14 +5,17 @@ set on copies of it. Its vocabulary does not hold Llama's header tokens, which t
 the masks are still right, as the expected spans show.
 """
 
+import base64
 import copy
 import gzip
+import io
 import json
 
 import pytest
 from transformers import AutoTokenizer
 
 from molt_agents.chat_template import render_text
+from molt_agents.multimodal import Vision, chat_images, for_template
 from molt_agents.tiny import model_dir
 from molt_env.trajectory import Trajectory
 from molt_train.sft_data import chat_examples, load_examples, trajectory_examples
@@ -211,7 +214,8 @@ def test_chat_errors_name_the_record(tiny):
         chat_examples(tiny, [{"role": "user", "content": "Hi"}], source="chat.jsonl:3")
     picture = [{"type": "text", "text": "What is this?"},
                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
-    with pytest.raises(ValueError, match="chat.jsonl:5: chat records with images are not supported"):
+    with pytest.raises(ValueError, match="chat.jsonl:5: the conversation holds images and the model has no image "
+                                         "processor"):
         chat_examples(tiny, [{"role": "user", "content": picture}, {"role": "assistant", "content": "A cat."}],
                       source="chat.jsonl:5")
     opening = copy.deepcopy(tiny)  # DeepSeek-R1's way: the generation prompt opens `<think>`, a rendered turn does not
@@ -233,6 +237,33 @@ def test_a_token_that_begins_in_the_prompt_is_not_trained(tiny):
     [example] = chat_examples(spaced, messages)
     assert_tokenized_like_the_runner(spaced, example, messages)
     assert trained_runs(spaced, example) == [" 7."]
+
+
+def picture(colour) -> dict:
+    from PIL import Image
+
+    png = io.BytesIO()
+    Image.new("RGB", (32, 32), colour).save(png, format="PNG")
+    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()}}
+
+
+def test_chat_with_images_expands_each_picture_as_the_runner_does_and_never_trains_it():
+    vision = Vision(model_dir("tiny:vlm"))
+    messages = [{"role": "user", "content": [picture((255, 0, 0)), {"type": "text", "text": "How many?"}]},
+                {"role": "assistant", "content": "2"},
+                {"role": "user", "content": [{"type": "text", "text": "And here?"}, picture((0, 0, 255))]},
+                {"role": "assistant", "content": "3"}]
+    [example] = chat_examples(vision.tokenizer, messages, source="chat.jsonl:6", vision=vision)
+    # The runner's encoding: the template's text with one placeholder per image, each expanded by the processor.
+    text = render_text(vision.tokenizer, for_template(messages), add_generation_prompt=False)
+    ids, spans, tensors = vision.encode(text, chat_images(messages))
+    assert example.token_ids == ids and len(example.mask) == len(ids)
+    assert len(spans) == 2 and all(length > 1 for _, length in spans)
+    assert not any(any(example.mask[start:start + length]) for start, length in spans)
+    assert trained_runs(vision.tokenizer, example) == ["2<|im_end|>", "3<|im_end|>"]
+    pixels = example.images["pixel_values"]  # both pictures, in order, along Idefics3's image axis
+    assert pixels.shape[:2] == (1, 2)
+    assert (pixels[0, 0] == tensors[0]["pixel_values"][0, 0]).all() and (pixels[0, 1] != pixels[0, 0]).any()
 
 
 # --------------------------------------------------------------------------

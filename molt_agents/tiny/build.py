@@ -19,11 +19,15 @@ import fcntl
 import hashlib
 import json
 import os
+import shlex
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 from molt_agents.tiny.tokenizer import build_tokenizer
+from molt_agents.tiny.warm_start import WARM_START
 
 # vlm: Idefics3's special tokens; its processor expands each `<image>` the chat template writes into
 # `<fake_token_around_image><global-img>` + `<image>` * image tokens + `<fake_token_around_image>`.
@@ -31,10 +35,10 @@ IMAGE_TOKENS = ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<
                 *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)))
 
 # Bump when the builder's output changes for the same parameters.
-BUILDER_VERSION = 9
+BUILDER_VERSION = 11
 
 KINDS = ("dense", "moe", "chat", "agent", "vlm", "reward")
-# chat: dense plus a short warm start (reply with a digit, end the turn).
+# chat: dense plus a short warm start by molt-sft (reply with a digit, end the turn; see warm_start.py).
 # reward: dense with a one-output score head (a sequence classifier, as reward models are), trained offline to
 #         prefer replies that start with the digit the user asked for (see reward.py); transformers only.
 # agent: chat whose warm start also has conversations of several turns and tool calls (see warm_start.py).
@@ -143,13 +147,11 @@ def build_tiny(kind: str, out: str | Path, **sizes) -> Path:
     tokenizer = build_tokenizer(out, vocab_size=p["vocab_size"], seed=p["seed"], **images)
     config = _config(kind, p, tokenizer)
     torch.manual_seed(p["seed"])
-    processor = None
     if kind == "vlm":
         from transformers import Idefics3ForConditionalGeneration
 
         model = Idefics3ForConditionalGeneration(config).float()
-        processor = _processor(tokenizer, p)
-        processor.save_pretrained(out)
+        _processor(tokenizer, p).save_pretrained(out)
     elif kind == "reward":
         from transformers import AutoModelForSequenceClassification
 
@@ -160,17 +162,39 @@ def build_tiny(kind: str, out: str | Path, **sizes) -> Path:
             train_reward(model, tokenizer, seed=p["seed"])
     else:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if kind in ("chat", "agent", "vlm"):
-        from molt_agents.tiny.warm_start import warm_start
-
-        with _single_thread():  # bit-identical across runs
-            agent = dict(agent=True, steps=600) if kind == "agent" else {}
-            warm_start(model, tokenizer, seed=p["seed"], processor=processor, **agent)
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
     model.save_pretrained(out)
+    if kind in WARM_START:
+        _warm_start(kind, out, p["seed"])
     return out
+
+
+def _warm_start(kind: str, out: Path, seed: int) -> None:
+    """Train the model in `out` with molt-sft on its warm start's chat records (`warm_start.py`), in place:
+    AdamW at a constant rate, no gradient clipping, one pass, one trainer rank on one thread (bit-identical
+    across runs)."""
+    from molt_agents.tiny.warm_start import BATCH, LR, records
+
+    steps = WARM_START[kind]
+    with tempfile.TemporaryDirectory(prefix="molt-warm-start-") as work:
+        data, run = Path(work) / f"{kind}.jsonl", Path(work) / "run"
+        data.write_text("".join(json.dumps(record) + "\n" for record in records(kind, steps * BATCH, seed)))
+        command = [sys.executable, "-m", "molt_train.sft", "--model", str(out), "--data.path", str(data),
+                   "--steps", str(steps), "--data.batch_size", str(BATCH), "--data.eval_fraction", "0",
+                   "--seed", str(seed), "--train.lr", str(LR), "--train.weight_decay", "0.01",
+                   "--train.lr_schedule", "constant", "--train.grad_clip", "1e9", "--ckpt.keep", "1",
+                   "--log.tensorboard", "false", "--out", str(run)]
+        done = subprocess.run(command, capture_output=True, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if done.returncode:
+            log = (run / "molt.log").read_text() if (run / "molt.log").exists() else ""
+            raise RuntimeError(f"the tiny {kind} model's warm start failed ({shlex.join(command)}):\n"
+                               f"{(done.stdout + done.stderr + log)[-4000:]}")
+        [checkpoint] = (run / "checkpoints").glob("step_*")
+        for weights in (checkpoint / "policy").glob("*.safetensors"):
+            shutil.copy(weights, out / weights.name)
 
 
 def _processor(tokenizer, p: dict):

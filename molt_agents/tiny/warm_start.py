@@ -1,19 +1,19 @@
-"""A short supervised warm start for the tiny chat and vision-language models.
+"""The data of the tiny chat, agent and vision-language models' warm starts, which `molt-sft` trains on.
 
 A randomly initialised model almost never ends its turn or answers briefly,
-so RL from it has nothing to reinforce. This teaches one habit, on prompts
-from the tokenizer corpus: the assistant answers with a single random digit
-and ends the turn. The digit is independent of the prompt, so no task is
-learned here; a task's mapping is left to RL.
+so RL from it has nothing to reinforce. The warm start teaches one habit, on
+prompts from the tokenizer corpus: the assistant answers with a single random
+digit and ends the turn. The digit is independent of the prompt, so no task
+is learned here; a task's mapping is left to RL.
 
 That habit also teaches a model to ignore what it reads, images included: a
 vision-language model warm-started on text alone gives the same answer for
 every picture (its digit probabilities move by about 1e-4 between pictures),
-and RL then has no gradient toward using the image. So the vision-language
-warm start adds an alignment pretext, as LLaVA's first stage aligns its
-projector on captions: half the batches show a picture, either filled with
-one of ten colours or with that colour in some cells of a 2x2 grid on a dark
-background, and a colour question's answer is the colour's index. It
+and RL then has no gradient toward using the image. So half the
+vision-language conversations are an alignment pretext, as LLaVA's first
+stage aligns its projector on captions: a picture, either filled with one of
+ten colours or with that colour in some cells of a 2x2 grid on a dark
+background, and a colour question whose answer is the colour's index. It
 teaches the model to look, not any task's mapping (no bundled task asks for
 colours).
 
@@ -27,76 +27,53 @@ but still depend on the picture, and RL can find the mapping.
 
 The agent model's warm start teaches general tool use on random tools and
 random words (`_agent_conversation`): call a tool with the digit the user's
-line holds, and answer with the digit the tool's reply holds. It trains on
-those conversations alone, without the text turns: their random-digit
-targets keep a 2-layer model from learning to copy the tool's digit, and
-undo the copy once learned. What a task asks of its tool, and which part of
-the reply it wants, is left to RL.
+line holds, and answer with the digit the tool's reply holds. It is those
+conversations alone, without the text turns: their random-digit targets keep
+a 2-layer model from learning to copy the tool's digit, and undo the copy
+once learned. What a task asks of its tool, and which part of the reply it
+wants, is left to RL.
+
+`records(kind, count, seed)` gives molt-sft's chat records (`messages`,
+`tools`; pictures as PNG data: URLs), and `WARM_START` how long each kind
+trains on them (the builder runs molt-sft, `build.py`).
 """
 
 from __future__ import annotations
 
+import base64
+import io
 import random
 import string
 
-import torch
-
-from molt_agents.chat_template import render_text
 from molt_agents.tiny.tokenizer import _WORDS, _corpus_lines
 
 PALETTE = [(0, 0, 0), (255, 255, 255), (128, 128, 128), (255, 140, 0), (0, 128, 128),
            (128, 0, 0), (0, 0, 128), (128, 128, 0), (255, 192, 203), (0, 255, 255)]
 
+# Per kind, molt-sft's steps; each step is BATCH conversations, each conversation trained once.
+WARM_START = {"chat": 150, "agent": 600, "vlm": 300}
+BATCH = 32
+LR = 3e-3
 
-def warm_start(model, tokenizer, steps: int = 150, batch: int = 32, lr: float = 3e-3, seed: int = 0,
-               processor=None, agent: bool = False) -> None:
-    """Train `model` in place on chat turns `user: <corpus line> / assistant: <digit>`; with a
-    `processor` (a vision-language model), every other batch shows pictures (`_pretext_picture`), and
-    for a colour question (`QUESTIONS`) the digit is the colour's index in `PALETTE`; with `agent`,
-    every batch is whole conversations (`_agent_conversation`): one or several turns, and tool calls
-    whose arguments come from the user's message and whose results are answered."""
+
+def records(kind: str, count: int, seed: int = 0) -> list[dict]:
+    """`count` chat records of `kind`'s warm start: a corpus line and a digit (chat); half of them a picture
+    and a colour's index or a digit (vlm); conversations of several turns and tool calls (agent)."""
     rng = random.Random(seed)
     # Prompts without digits: the model learns the reply format, not to ignore digits it reads.
     prompts = [line for line in _corpus_lines(seed + 1, 4000)
                if "\n" not in line and not any(c.isdigit() for c in line)][:1000]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    model.train()
-    for step in range(steps):
-        if processor is not None and step % 2:
-            rows, images = _picture_rows(processor, rng, prompts, batch)
-        elif agent:
-            rows, images = [_conversation_row(tokenizer, *_agent_conversation(rng, prompts))
-                            for _ in range(batch)], {}
+    out = []
+    for i in range(count):
+        if kind == "agent":
+            messages, tools = _agent_conversation(rng, prompts)
+            out.append({"messages": messages, **({"tools": tools} if tools else {})})
+        elif kind == "vlm" and i % 2:
+            out.append({"messages": _picture_turn(rng, prompts)})
         else:
-            rows, images = _text_rows(tokenizer, rng, prompts, batch), {}
-        width = max(len(ids) for ids, _ in rows)
-        pad = tokenizer.pad_token_id
-        input_ids = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in rows])
-        labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in rows])
-        attention = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in rows])
-        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels, **images).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    model.eval()
-
-
-def _turn(tokenizer, messages: list[dict], reply: str, render) -> tuple[str, list[int]]:
-    """The rendered prompt and the reply's ids (the assistant turn up to and including its end)."""
-    prompt = render(messages, add_generation_prompt=True)
-    full = render(messages + [{"role": "assistant", "content": reply}], add_generation_prompt=False)
-    return prompt, tokenizer.encode(full[len(prompt):].rstrip("\n"), add_special_tokens=False)
-
-
-def _text_rows(tokenizer, rng: random.Random, prompts: list[str], batch: int) -> list[tuple[list, list]]:
-    rows = []
-    for _ in range(batch):
-        messages = [{"role": "user", "content": rng.choice(prompts)}]
-        prompt, reply_ids = _turn(tokenizer, messages, str(rng.randrange(10)),
-                                  lambda m, **kw: render_text(tokenizer, m, **kw))
-        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
-        rows.append((prompt_ids + reply_ids, [-100] * len(prompt_ids) + reply_ids))
-    return rows
+            out.append({"messages": [{"role": "user", "content": rng.choice(prompts)},
+                                     {"role": "assistant", "content": str(rng.randrange(10))}]})
+    return out
 
 
 # --------------------------------------------------------------------------
@@ -171,23 +148,6 @@ def _insert(rng: random.Random, line: str, word) -> str:
     return " ".join(words)
 
 
-def _conversation_row(tokenizer, messages: list[dict], tools: list[dict] | None) -> tuple[list, list]:
-    """Token ids of a conversation rendered turn by turn (as the env runner appends them) and labels on
-    every assistant turn: its reply up to and including the end of its turn."""
-    ids, labels, done = [], [], ""
-    for end in range(1, len(messages) + 1):
-        assistant = messages[end - 1]["role"] == "assistant"
-        text = render_text(tokenizer, messages[:end], tools, add_generation_prompt=False)
-        if assistant:  # the generation prompt belongs to the context, the rest of the turn is the reply
-            prompt = render_text(tokenizer, messages[:end - 1], tools, add_generation_prompt=True)
-            context = tokenizer.encode(prompt[len(done):], add_special_tokens=False)
-            reply = tokenizer.encode(text[len(prompt):].rstrip("\n"), add_special_tokens=False)
-            ids += context + reply
-            labels += [-100] * len(context) + reply
-            done = prompt + text[len(prompt):].rstrip("\n")
-    return ids, labels
-
-
 QUESTIONS = ["What colour is this?", "Which colour do you see?", "Name the colour.", "Colour?"]
 
 
@@ -208,19 +168,16 @@ def _pretext_picture(rng: random.Random):
     return image, colour
 
 
-def _picture_rows(processor, rng: random.Random, prompts: list[str], batch: int):
-    tokenizer, rows, tensors = processor.tokenizer, [], []
-    for _ in range(batch):
-        image, colour = _pretext_picture(rng)
-        question = rng.choice(QUESTIONS)
-        if rng.random() < 0.5:  # another question about a picture: the reply format only
-            question, colour = rng.choice(prompts), rng.randrange(10)
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
-        prompt, reply_ids = _turn(tokenizer, messages, str(colour),
-                                  lambda m, **kw: processor.apply_chat_template(m, tokenize=False, **kw))
-        inputs = processor(images=[image], text=[prompt], return_tensors="pt", add_special_tokens=False)
-        prompt_ids = inputs.pop("input_ids")[0].tolist()
-        inputs.pop("attention_mask", None)
-        rows.append((prompt_ids + reply_ids, [-100] * len(prompt_ids) + reply_ids))
-        tensors.append(inputs)  # one image per row: the image tensors stack along the batch
-    return rows, {name: torch.cat([t[name] for t in tensors]) for name in tensors[0]}
+def _picture_turn(rng: random.Random, prompts: list[str]) -> list[dict]:
+    """A picture with a colour question and the colour's index, or (half the time) another question and a
+    random digit."""
+    image, colour = _pretext_picture(rng)
+    question = rng.choice(QUESTIONS)
+    if rng.random() < 0.5:  # another question about a picture: the reply format only
+        question, colour = rng.choice(prompts), rng.randrange(10)
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": question}]},
+            {"role": "assistant", "content": str(colour)}]

@@ -155,10 +155,13 @@ def test_a_judge_through_molt_serve_drives_a_run_and_its_outage_drops_episodes_n
     print("rewards", [round(r["reward/mean"], 3) for r in rows], "judge failures per step", failed)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert failed[:2] == [0, 0] and failed[-1] > 0
-    # every episode was judged (the frozen judge gives every reply 6 of 9; after the outage, from its cache
-    # where a reply was judged before) or dropped: none was scored 0
+    # every episode was judged (the frozen judge answers the rubric with the same digit whatever the reply,
+    # 5 of 9 for builder 11's tiny:chat; after the outage, from its cache where a reply was judged before) or
+    # dropped: none was scored 0
     assert all(r["rollouts/trained"] + r["episodes/failed"] == 16 for r in rows)
-    assert all(r["reward/mean"] == pytest.approx(6 / 9) and r["reward/std"] < 1e-9 for r in rows)
+    score = rows[0]["reward/mean"]
+    assert score * 9 == pytest.approx(round(score * 9)) and score > 0
+    assert all(r["reward/mean"] == pytest.approx(score) and r["reward/std"] < 1e-9 for r in rows)
     assert "an episode failed and was dropped:\nJudgeError: no score after 4 tries" in stdout + stderr
 
 

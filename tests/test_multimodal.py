@@ -292,14 +292,17 @@ def test_vllm_image_embeddings_follow_a_weight_update(vllm_engines, vlm_dir, vis
 
     episode()  # the picture's embeddings are now in vLLM's cache
     changed = load_model(vlm_dir, torch.float32)
+    projection = changed.model.connector.modality_projection.proj.weight
+    # Only the image embeddings change: the connector is drawn again (scaling it would barely move the replies,
+    # as the text model's RMS norms undo a scale).
     with torch.no_grad():
-        changed.model.connector.modality_projection.proj.weight.mul_(3.0)  # only the image embeddings change
+        projection.copy_(torch.randn(projection.shape, generator=torch.Generator().manual_seed(0)) * projection.std())
     try:
         run(engine.update_weights(list(changed.state_dict().items())))
         after = episode()
         worst, old = _trainer_vs_engine(changed, after), _trainer_vs_engine(actor, after)
         print(f"after the update: max |engine - new weights| = {worst:.2e}, |engine - old weights| = {old:.2e}")
-        assert worst < 1e-4 and old > 1e-3
+        assert worst < 1e-4 and old > 100 * worst  # the engine's logprobs are the new weights', not the old
     finally:
         run(engine.update_weights(list(actor.state_dict().items())))
 

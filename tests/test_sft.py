@@ -42,14 +42,15 @@ def _records(vocab: int) -> list[dict]:
     return records
 
 
-def test_an_sft_step_on_trajectory_records_equals_a_plain_transformers_step(tmp_path, ray_address, dense_dir):
+@pytest.mark.parametrize("backend", ["fsdp2", "automodel"])
+def test_an_sft_step_on_trajectory_records_equals_a_plain_transformers_step(backend, tmp_path, ray_address, dense_dir):
     records = _records(AutoModelForCausalLM.from_pretrained(dense_dir).config.vocab_size)
     data = tmp_path / "records.jsonl"
     data.write_text("".join(json.dumps(record) + "\n" for record in records))
     out = tmp_path / "sft"
     _molt_sft(out, ray_address, "--model", str(dense_dir), "--data.path", str(data), "--data.batch_size", "3",
               "--data.eval_fraction", "0", "--steps", "1", "--train.lr", str(LR), "--train.lr_schedule", "constant",
-              "--train.grad_clip", "1e9", "--train.micro_batch_tokens", "40")
+              "--train.grad_clip", "1e9", "--train.micro_batch_tokens", "40", "--actor.backend", backend)
     (row,) = _metrics(out)
 
     model = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32)
@@ -66,7 +67,7 @@ def test_an_sft_step_on_trajectory_records_equals_a_plain_transformers_step(tmp_
     saved = AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "step_000001" / "policy", dtype=torch.float32)
     differences = [float((a - b).abs().max()) for a, b in zip(model.state_dict().values(),
                                                               saved.state_dict().values())]
-    print(f"loss {row['sft/loss']:.6f} vs {loss.item():.6f}; grad norm {row['grad_norm']:.6f} vs {float(norm):.6f}; "
+    print(f"{backend}: loss {row['sft/loss']:.6f} vs {loss.item():.6f}; grad norm {row['grad_norm']:.6f} vs {float(norm):.6f}; "
           f"weights max |diff| {max(differences):.2e} (the step moved them by up to {LR})")
     assert row["tokens/trained"] == trained == 21  # exactly the tokens the records mark
     assert row["sft/loss"] == pytest.approx(float(loss), abs=1e-6)
@@ -97,8 +98,9 @@ def test_molt_sft_learns_chat_replies_and_a_resumed_run_continues(tmp_path, ray_
     print("held-out loss", [round(loss, 3) for loss in losses], "training loss",
           [round(row["sft/loss"], 3) for row in whole])
     assert [row["step"] for row in resumed] == [1, 2, 3, 4, 5, 6]
-    # the first step's loss is the untrained model's (about ln 10 on the digit, 0 on the end of the turn)
-    assert whole[0]["sft/loss"] > 1.0 and losses[-1] < 0.1 and losses == sorted(losses, reverse=True)
+    # the first step's loss is the untrained model's (about ln 10 on the digit, 0 on the end of the turn: about
+    # 1.15 a token)
+    assert whole[0]["sft/loss"] > 0.7 and losses[-1] < 0.1 and losses == sorted(losses, reverse=True)
     for a, b in zip(whole[4:], resumed[4:]):  # from the step-4 checkpoint, the same batches and weights
         assert b["sft/loss"] == pytest.approx(a["sft/loss"], abs=1e-5)
     assert (out / "checkpoints" / "step_000006" / "policy" / "config.json").exists()

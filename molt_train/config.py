@@ -8,6 +8,7 @@ before any work starts, naming the flag.
 from __future__ import annotations
 
 import functools
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -283,7 +284,7 @@ class LogConfig:
     tensorboard: bool = True
     """Write TensorBoard events under RUN_DIR/tensorboard."""
     wandb: bool = False
-    """Log to Weights & Biases (needs wandb installed and logged in)."""
+    """Log to Weights & Biases (needs the wandb package, and a login or WANDB_MODE=offline)."""
     plot_every: int = 0
     """Write the PNG plots every this many steps (0 = only at the end)."""
     verbose: bool = False
@@ -372,6 +373,8 @@ def validate(config: Config) -> None:
                         ("ckpt.every", 0), ("log.rollouts_every", 1), ("log.rollouts_groups", 0),
                         ("engine.data_parallel_size", 1), ("engine.tensor_parallel_size", 1)):
         need(functools.reduce(getattr, flag.split("."), config) >= least, flag, f"must be >= {least}")
+    need(not config.log.wandb or importlib.util.find_spec("wandb") is not None, "log.wandb",
+         "the wandb package is not installed here (pip install wandb)")
     if config.actor.colocate:
         _validate_colocate(config, need)
     need(config.engine.max_model_len is None or config.engine.max_model_len >= 1, "engine.max_model_len",

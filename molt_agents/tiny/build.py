@@ -173,8 +173,8 @@ def build_tiny(kind: str, out: str | Path, **sizes) -> Path:
 
 def _warm_start(kind: str, out: Path, seed: int) -> None:
     """Train the model in `out` with molt-sft on its warm start's chat records (`warm_start.py`), in place:
-    AdamW at a constant rate, no gradient clipping, one pass, one trainer rank on one thread (bit-identical
-    across runs)."""
+    AdamW at a constant rate, no gradient clipping, one pass, one trainer rank. Two builds on one machine give
+    the same weights (`tests/test_tiny.py`)."""
     from molt_agents.tiny.warm_start import BATCH, LR, records
 
     steps = WARM_START[kind]

@@ -163,8 +163,13 @@ def _train_items(rollout: Rollout, advantage: float, version: int) -> list[Train
     """The rollout's segments that still train a token, each token with its age."""
     return [TrainItem(token_ids=t.token_ids, mask=t.mask, logprobs=t.logprobs,
                       ages=[version - v if m else 0 for v, m in zip(t.versions, t.mask)], advantage=advantage,
-                      routes=t.routes, images=t.mm["tensors"] if t.mm else None)
+                      routes=t.routes, images=t.mm["tensors"] if t.mm else None, key=segment_key(t))
             for t in rollout if any(t.mask)]
+
+
+def segment_key(trajectory: Trajectory) -> str:
+    """A trajectory segment's name within a step: its rollout and its place in it."""
+    return f"{trajectory.rollout_id}/{trajectory.segment}"
 
 
 def _trained_stats(items: list[TrainItem], rollouts: int, groups: list[Group]) -> dict:

@@ -77,6 +77,7 @@ async def train(config, run_dir: Path, model_dir: str, console: Console) -> None
             waited = time.perf_counter() - started
 
             items, stats = assemble(groups, version, config.algo)
+            segments = {}  # for the saved rollouts: what the trainer did with each segment
             assembled = time.perf_counter() - started - waited
             failures = [failure for group in groups for failure in group.failures]
             if failures and failures[0].splitlines()[0] not in reported:
@@ -93,6 +94,9 @@ async def train(config, run_dir: Path, model_dir: str, console: Console) -> None
                 await runtime.sleep_engines()
             if items:
                 stats |= _train_stats(await runtime.train_step(items))
+                if rollouts:
+                    segments = {item.key: {"trained": True, "advantage": item.advantage, "trainer_logprobs": logprobs}
+                               for item, logprobs in zip(items, await runtime.trainer.trained_logprobs(items))}
             else:  # every group filtered or dropped: nothing to learn from this step
                 stats |= dict.fromkeys(TRAIN_KEYS)
             if config.actor.colocate:
@@ -120,7 +124,7 @@ async def train(config, run_dir: Path, model_dir: str, console: Console) -> None
                       "throughput/tokens_per_s": stats["tokens/trained"] / max(ended - started, 1e-9)}
             metrics.log(step, stats)
             if rollouts:
-                rollouts.write(step, groups, evaluator.plays if evaluated else None)
+                rollouts.write(step, groups, evaluator.plays if evaluated else None, segments)
             progress.update(1)
             shown = {} if evaluator.last_reward is None else {"eval": f"{evaluator.last_reward:.3f}"}
             progress.set_postfix(reward=f"{stats['reward/mean']:.3f}", **shown, refresh=False)

@@ -46,6 +46,7 @@ class TrainItem:
     advantage: float  # the rollout's, for every trained token
     routes: np.ndarray | None = None  # [T, layers, top_k] int16 engine expert ids, -1 where unknown
     images: dict[str, np.ndarray] | None = None  # the forward's image arguments
+    key: str = ""  # the trajectory segment it came from (`batch.segment_key`)
 
 
 @dataclass
@@ -67,6 +68,9 @@ class MicroBatch:
     # (a block starts at position 0) sees, b >= 1 for branch b's; None: sequences only, attention follows
     # the positions restarting at 0
     branch: torch.Tensor | None = None
+    # [N] long: the index in `pack`'s items of the item the token belongs to (a tree's head: its first item's),
+    # -1 for padding; with `position_ids`, where a token's values go back to (`TrainerGroup.trained_logprobs`)
+    item: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -85,8 +89,9 @@ def pack(items: list[TrainItem], token_budget: int, rows: bool = True, tree_toke
     the first row with room; a unit longer than the budget gets a micro-batch of its own. Without, one row
     each, greedy in the given order, no trees.
     """
+    places = {id(item): i for i, item in enumerate(items)}
     if not rows:
-        return [_micro_batch([[[item]] for item in group], None) for group in _greedy(items, token_budget)]
+        return [_micro_batch([[[item]] for item in group], None, places) for group in _greedy(items, token_budget)]
     units = trees(items, tree_tokens) if tree_tokens else [[item] for item in items]
     batches: list[list[list[list[TrainItem]]]] = []  # micro-batch -> row -> units
     widths: list[int] = []
@@ -104,7 +109,7 @@ def pack(items: list[TrainItem], token_budget: int, rows: bool = True, tree_toke
             row = len(free) - 1
         batches[-1][row].append(unit)
         free[row] -= n
-    return [_micro_batch(batch, width) for batch, width in zip(batches, widths)]
+    return [_micro_batch(batch, width, places) for batch, width in zip(batches, widths)]
 
 
 def head_length(item: TrainItem) -> int:
@@ -166,10 +171,11 @@ def _greedy(items: list[TrainItem], token_budget: int) -> list[list[TrainItem]]:
     return groups
 
 
-def _micro_batch(rows: list[list[list[TrainItem]]], width: int | None) -> MicroBatch:
+def _micro_batch(rows: list[list[list[TrainItem]]], width: int | None, places: dict[int, int]) -> MicroBatch:
     """The units row by row; with a `width`, each row padded to it by a sequence of its own that trains
-    nothing. A tree lays out its head (the first item's, trained by none), then each item's rest."""
-    ids, positions, sequence, mask, advantages, logprobs, ages = [], [], [], [], [], [], []
+    nothing. A tree lays out its head (the first item's, trained by none), then each item's rest. `places`:
+    each item's place in the packed list, by `id`."""
+    ids, positions, sequence, mask, advantages, logprobs, ages, origin = [], [], [], [], [], [], [], []
     predecessor, branch, parts, units = [], [], [], []  # parts: (item, start) in layout order, for routes
     for row in rows:
         used = sum(_length(unit) for unit in row)
@@ -190,6 +196,7 @@ def _micro_batch(rows: list[list[list[TrainItem]]], width: int | None) -> MicroB
             advantages += [0.0 if i < h else float(item.advantage) for i in range(start, len(item.token_ids))]
             logprobs += [0.0 if lp is None else lp for lp in item.logprobs[start:]]
             ages += item.ages[start:]
+            origin += [places.get(id(item), -1)] * n
             predecessor += [-1 if i == 0 else (head_end if b and i == start else first + i - start - 1)
                             for i in range(start, len(item.token_ids))]
             branch += [0 if i < h else b + 1 for i in range(start, len(item.token_ids))] if h else [0] * n
@@ -199,7 +206,8 @@ def _micro_batch(rows: list[list[list[TrainItem]]], width: int | None) -> MicroB
                       torch.tensor(mask, dtype=torch.float32), torch.tensor(advantages, dtype=torch.float32),
                       torch.tensor(logprobs, dtype=torch.float32), torch.tensor(ages), _routes(parts),
                       _images([item for item, _ in parts]), width=0 if width is None or len(rows) == 1 else width,
-                      predecessor=torch.tensor(predecessor), branch=torch.tensor(branch) if has_tree else None)
+                      predecessor=torch.tensor(predecessor), branch=torch.tensor(branch) if has_tree else None,
+                      item=torch.tensor(origin))
 
 
 def _padding(n: int) -> TrainItem:
@@ -227,7 +235,7 @@ def _routes(parts: list[tuple[TrainItem, int]]) -> torch.Tensor | None:
 
 def empty_micro_batch() -> MicroBatch:
     """A one-token micro-batch that trains nothing, to even out the ranks' counts."""
-    return _micro_batch([[[_padding(1)]]], None)
+    return _micro_batch([[[_padding(1)]]], None, {})
 
 
 def deal(micro_batches: list[MicroBatch], world_size: int) -> list[list[MicroBatch]]:

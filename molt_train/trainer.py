@@ -68,8 +68,22 @@ class TrainerGroup:
         packed = time.perf_counter() - started
         stats = await _gather([rank.step.remote(shares[index // self.replica_ranks], step_tokens, self.updates)
                                for index, rank in enumerate(self.ranks)])
+        self.last_shares = shares
         # one rank per replica: its tokens counted once
         return replace(StepStats.reduce(stats[::self.replica_ranks]), seconds_pack=packed)
+
+    async def trained_logprobs(self, items: list[TrainItem]) -> list[list[float | None]]:
+        """The last step's `items` token by token: the trainer's logprob under the weights before the step
+        where the token was trained, None elsewhere."""
+        out: list[list[float | None]] = [[None] * len(item.token_ids) for item in items]
+        replicas = await _gather([rank.trained_logprobs.remote() for rank in self.ranks[::self.replica_ranks]])
+        for share, values in zip(self.last_shares, replicas):
+            for mb, logprobs in zip(share, values):
+                trained = mb.mask.bool()
+                for item, position, value in zip(mb.item[trained].tolist(), mb.position_ids[trained].tolist(),
+                                                 logprobs.tolist()):
+                    out[item][position] = value
+        return out
 
     async def nll(self, items: list[TrainItem]) -> float:
         """The mean negative log-likelihood of the tokens `items` train, under the current weights."""

@@ -137,3 +137,25 @@ def test_prefix_tree_logprobs_and_gradients_equal_the_items_alone(dense_dir, att
     assert plain_grads.keys() == shared_grads.keys()
     for name, grad in plain_grads.items():
         assert torch.allclose(shared_grads[name], grad, atol=1e-5, rtol=1e-4), name
+
+
+@pytest.mark.parametrize("layout", ["rows", "one row", "trees"])
+def test_every_trained_token_names_its_item_and_position(layout):
+    """`MicroBatch.item` with `position_ids` is the way back from a packed token to the item it came from."""
+    generator = torch.Generator().manual_seed(1)
+    head = [7, 8, 9, 10]  # a group's shared prompt, for the trees
+    items = [_item(head + torch.randint(3, 1000, (n,), generator=generator).tolist()) for n in (6, 3, 11, 2, 8)]
+    for item in items:
+        item.mask[:len(head)] = [0] * len(head)
+    batches = pack(items, token_budget=24, rows=layout != "one row", tree_tokens=40 if layout == "trees" else 0)
+    assert (layout == "trees") == any(mb.branch is not None for mb in batches)
+    seen = set()
+    for mb in deal(batches, world_size=2)[0] + deal(batches, world_size=2)[1]:
+        for token, item, position, trained in zip(mb.input_ids.tolist(), mb.item.tolist(), mb.position_ids.tolist(),
+                                                  mb.mask.tolist()):
+            if trained:
+                assert items[item].token_ids[position] == token and items[item].mask[position] == 1
+                seen.add((item, position))
+            elif item == -1:  # padding
+                assert token == 0
+    assert seen == {(i, p) for i, item in enumerate(items) for p, m in enumerate(item.mask) if m}

@@ -7,8 +7,10 @@ import subprocess
 import sys
 from collections import Counter
 
+import pytest
+
 from molt_env.trajectory import Trajectory, check
-from molt_train.saved_rollouts import read
+from molt_train.saved_rollouts import load_index, read, read_member, scan, summary
 
 
 def _molt_train(out, ray_address, *flags):
@@ -27,7 +29,8 @@ def _records(out) -> list[dict]:
 def test_saved_rollouts_are_trajectory_records_and_a_resumed_run_holds_each_step_once(tmp_path, ray_address):
     out = tmp_path / "run"
     _molt_train(out, ray_address, "--steps", "3", "--ckpt.every", "2")
-    assert sorted(p.name for p in (out / "rollouts").iterdir()) == ["steps_000001.jsonl.gz", "steps_000003.jsonl.gz"]
+    assert sorted(p.name for p in (out / "rollouts").iterdir()) == ["index.jsonl", "steps_000001.jsonl.gz",
+                                                                   "steps_000003.jsonl.gz"]
     records = _records(out)
     assert Counter((r["step"], r["split"]) for r in records) == {
         (1, "train"): 8, (2, "train"): 8, (3, "train"): 8, (3, "eval"): 3}
@@ -44,6 +47,17 @@ def test_saved_rollouts_are_trajectory_records_and_a_resumed_run_holds_each_step
         assert sum(sum(r["mask"]) for r in records if r["step"] == step and r["split"] == "train") \
             == metrics[step]["tokens/trained"]
     assert sorted(r["episode"] for r in records if r["split"] == "eval") == [0, 1, 2]
+    for step in (1, 2, 3):  # the trainer's logprobs beside the engine's: the step's mismatch, token by token
+        trained = [r for r in records if r["step"] == step and r["split"] == "train" and r["trained"]]
+        assert all((e is None) == (t is None) for r in trained for e, t in zip(r["logprobs"], r["trainer_logprobs"]))
+        gaps = [abs(t - e) for r in trained for e, t in zip(r["logprobs"], r["trainer_logprobs"]) if e is not None]
+        assert max(gaps) == pytest.approx(metrics[step]["mismatch/max_abs"], rel=1e-3, abs=1e-6)
+        for r in trained:  # each reward less its group's mean, then whitened: the sign survives
+            group = [o["reward"] for o in records if o["step"] == step and o["group_id"] == r["group_id"]]
+            assert r["advantage"] * (r["reward"] - sum(group) / len(group)) >= 0
+        assert all(r["advantage"] is None and r["trainer_logprobs"] is None
+                   for r in records if r["step"] == step and r["split"] == "train" and not r["trained"])
+    _assert_indexed(out, records)
 
     # the run stopped after step 3's rollouts were written and before its checkpoint: resume from step 2
     shutil.rmtree(out / "checkpoints" / "step_000003")
@@ -52,6 +66,18 @@ def test_saved_rollouts_are_trajectory_records_and_a_resumed_run_holds_each_step
     assert Counter((r["step"], r["split"]) for r in resumed) == {
         (1, "train"): 8, (2, "train"): 8, (3, "train"): 8, (3, "eval"): 3, (4, "train"): 8, (4, "eval"): 3}
     assert [r for r in resumed if r["step"] <= 2] == [r for r in records if r["step"] <= 2]
+    _assert_indexed(out, resumed)
+
+
+def _assert_indexed(out, records):
+    """index.jsonl: a line per step, each record summarized in order, where `read_member` finds it."""
+    index = load_index(out / "rollouts")
+    assert index == scan(out / "rollouts")  # what the run appended is what the files hold
+    assert [entry["step"] for entry in index] == sorted({r["step"] for r in records})
+    for entry in index:
+        members = read_member(out / "rollouts" / entry["file"], entry["offset"], entry["size"])
+        assert members == [r for r in records if r["step"] == entry["step"]]
+        assert entry["records"] == [summary(r) for r in members]
 
 
 def test_a_half_written_end_is_skipped_and_the_groups_bound_holds(tmp_path, ray_address):
@@ -64,3 +90,29 @@ def test_a_half_written_end_is_skipped_and_the_groups_bound_holds(tmp_path, ray_
     with path.open("ab") as file:  # a run killed while writing its next step
         file.write(member[: len(member) // 2])
     assert list(read(path)) == whole
+    assert [entry["step"] for entry in scan(out / "rollouts")] == [1, 2]  # the torn member is not indexed
+
+
+def test_images_are_saved_as_png_data_urls_and_the_opening_names_the_prompt():
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from molt_train.saved_rollouts import prompt, viewable
+
+    picture = np.zeros((4, 6, 3), dtype=np.uint8)
+    picture[1, 2] = (255, 0, 0)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Count the shapes."},
+                                             {"type": "image", "image": picture}]},
+                {"role": "assistant", "content": "3"}]
+    saved = viewable(messages)
+    url = saved[0]["content"][1]["image"]
+    assert url.startswith("data:image/png;base64,") and saved[1] == messages[1]
+    decoded = np.asarray(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))))
+    assert np.array_equal(decoded, picture)  # lossless
+    assert viewable(saved) == saved and json.loads(json.dumps(saved)) == saved
+    opening = prompt(saved)
+    assert opening["prompt"] == "Count the shapes. [image]"
+    assert opening == prompt(saved[:1]) != prompt([{**saved[0], "content": "Count the shapes."}])

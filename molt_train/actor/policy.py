@@ -364,6 +364,7 @@ class PolicyRank:
         prepared = self.logprobs(micro_batches) if updates > 1 or self.stochastic else None
         recomputed = time.perf_counter() - started
         stats, old = self.train(micro_batches, prepared, step_tokens, updates)
+        self.trained_old = [o[mb.mask.to(o.device).bool()].float().cpu() for o, mb in zip(old, micro_batches)]
         trainer = torch.cat(old)
         engine = torch.cat([mb.engine_logprobs for mb in micro_batches])
         trained = torch.cat([mb.mask for mb in micro_batches]).bool()
@@ -376,6 +377,10 @@ class PolicyRank:
                        mismatch_max_abs=mismatch_max_abs, offpolicy_tokens=int(stale.sum()),
                        offpolicy_kl_sum=offpolicy_kl_sum, routing_hits=hits, routing_compared=compared,
                        seconds_logprobs=recomputed, seconds_step=time.perf_counter() - started)
+
+    def trained_logprobs(self) -> list[torch.Tensor]:
+        """The last step's logprobs under the weights before it, of each micro-batch's trained tokens in order."""
+        return self.trained_old
 
     @torch.no_grad()
     def logprobs(self, micro_batches: list[MicroBatch]) -> list[Prepared]:

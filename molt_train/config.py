@@ -284,7 +284,10 @@ class LogConfig:
     tensorboard: bool = True
     """Write TensorBoard events under RUN_DIR/tensorboard."""
     wandb: bool = False
-    """Log to Weights & Biases (needs the wandb package, and a login or WANDB_MODE=offline)."""
+    """Log to Weights & Biases: the metrics, the config and a table of sample episodes (needs the wandb package:
+    pip install 'molt[wandb]', and a login or WANDB_MODE=offline)."""
+    wandb_episodes: int = 4
+    """Episodes of each step in the W&B episode table (prompt, reply, reward); 0 = no table."""
     plot_every: int = 0
     """Write the PNG plots every this many steps (0 = only at the end)."""
     verbose: bool = False
@@ -371,10 +374,11 @@ def validate(config: Config) -> None:
                         ("train.warmup_steps", 0), ("train.sync_bucket_mb", 1), ("train.updates_per_batch", 1),
                         ("actor.world_size", 1), ("algo.max_staleness", 0), ("algo.max_extra_groups", 0),
                         ("ckpt.every", 0), ("log.rollouts_every", 1), ("log.rollouts_groups", 0),
-                        ("engine.data_parallel_size", 1), ("engine.tensor_parallel_size", 1)):
+                        ("log.wandb_episodes", 0), ("engine.data_parallel_size", 1),
+                        ("engine.tensor_parallel_size", 1)):
         need(functools.reduce(getattr, flag.split("."), config) >= least, flag, f"must be >= {least}")
     need(not config.log.wandb or importlib.util.find_spec("wandb") is not None, "log.wandb",
-         "the wandb package is not installed here (pip install wandb)")
+         "the wandb package is not installed here (pip install 'molt[wandb]')")
     if config.actor.colocate:
         _validate_colocate(config, need)
     need(config.engine.max_model_len is None or config.engine.max_model_len >= 1, "engine.max_model_len",

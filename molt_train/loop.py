@@ -123,6 +123,7 @@ async def train(config, run_dir: Path, model_dir: str, console: Console) -> None
                       **_replaced_stats(runtime.groups.take_replaced(), groups),
                       "throughput/tokens_per_s": stats["tokens/trained"] / max(ended - started, 1e-9)}
             metrics.log(step, stats)
+            metrics.episodes(step, groups)
             if rollouts:
                 rollouts.write(step, groups, evaluator.plays if evaluated else None, segments)
             progress.update(1)

@@ -3,17 +3,23 @@
 One JSON object per optimizer step in `RUN_DIR/metrics.jsonl` (after a resume,
 steps already logged are not logged again); the same scalars go to
 TensorBoard (and W&B when enabled); evaluations (`eval/*`, `time/eval`) join
-the line of the step they follow, the one before training as step 0. `plot`
-draws reward (training and evaluation), lengths, timings and the
-environment's own episode facts (`env/*`, when the environment reports
-any) from the JSON lines into `RUN_DIR/plots/`.
+the line of the step they follow, the one before training as step 0. W&B
+also gets the config and, per step, a table of a few of its episodes
+(`Metrics.episodes`). `plot` draws reward (training and evaluation),
+lengths, timings and the environment's own episode facts (`env/*`, when the
+environment reports any) from the JSON lines into `RUN_DIR/plots/`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import os
+import uuid
 from pathlib import Path
+
+from molt_agents.multimodal import is_image_part
 
 
 class Metrics:
@@ -29,11 +35,8 @@ class Metrics:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step + 1)
-        self.wandb = None
-        if config.log.wandb:
-            import wandb  # optional: pip install wandb
-
-            self.wandb = wandb.init(project="molt", dir=str(run_dir), config=dataclasses.asdict(config), resume="allow")
+        self.wandb = _start_wandb(run_dir, config) if config.log.wandb else None
+        self.wandb_episodes = config.log.wandb_episodes
 
     def log(self, step: int, values: dict) -> None:
         record = {"step": step, **values}
@@ -47,11 +50,67 @@ class Metrics:
         if self.wandb is not None:
             self.wandb.log(scalars, step=step)
 
+    def episodes(self, step: int, groups: list) -> None:
+        """Log up to `log.wandb_episodes` of the step's episodes (`molt_train.batch.Group`s) to W&B as the table
+        `episodes`: step, prompt, reply, reward. One episode of each group in turn, so that the table shows
+        different prompts before more samples of one; episodes without chat messages are left out."""
+        if self.wandb is None or not self.wandb_episodes:
+            return
+        import wandb
+
+        per_group = [[t for t in {t.rollout_id: t for t in group.trajectories}.values() if t.messages]
+                     for group in groups]  # one trajectory per episode: its segments share messages and reward
+        chosen = [t for turn in itertools.zip_longest(*per_group) for t in turn if t is not None]
+        rows = [[step, *prompt_and_reply(t.messages), t.reward] for t in chosen[:self.wandb_episodes]]
+        if rows:
+            self.wandb.log({"episodes": wandb.Table(columns=["step", "prompt", "reply", "reward"], data=rows)},
+                           step=step)
+
     def close(self) -> None:
         if self.tensorboard is not None:
             self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _start_wandb(run_dir: Path, config):
+    """The run's W&B run: in the project WANDB_PROJECT (default molt), named after the run directory, with the
+    whole config (sections as nested dicts). Its id is kept in RUN_DIR/wandb_id, so that `--resume` continues
+    the same W&B run rather than starting a second one."""
+    import wandb  # optional: pip install 'molt[wandb]'
+
+    id_file = run_dir / "wandb_id"
+    if config.resume and id_file.is_file():
+        run_id = id_file.read_text().strip()
+    else:
+        run_id = uuid.uuid4().hex
+        id_file.write_text(run_id + "\n")
+    return wandb.init(project=os.environ.get("WANDB_PROJECT", "molt"), name=run_dir.name, id=run_id,
+                      resume="allow", dir=str(run_dir), config=dataclasses.asdict(config))
+
+
+def prompt_and_reply(messages: list[dict]) -> tuple[str, str]:
+    """An episode's chat as two texts: the messages before the first assistant reply, and the rest (replies,
+    tool calls, tool results, later observations)."""
+    first_reply = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
+    return _chat_text(messages[:first_reply]), _chat_text(messages[first_reply:])
+
+
+def _chat_text(messages: list[dict]) -> str:
+    """Chat messages as text, each headed by its role; images as [image], tool calls as name(arguments)."""
+    def part_text(part) -> str:
+        if isinstance(part, str):
+            return part
+        return "[image]" if is_image_part(part) else part.get("text", f"[{part.get('type')}]")
+
+    def message_text(message: dict) -> str:
+        content = message.get("content")
+        text = "".join(map(part_text, content)) if isinstance(content, list) else content or ""
+        calls = [f"{call['function']['name']}({call['function'].get('arguments', '')})"
+                 for call in message.get("tool_calls") or []]
+        return "\n".join(filter(None, [text, *calls]))
+
+    return "\n\n".join(f"[{message.get('role')}] {message_text(message)}" for message in messages)
 
 
 PANELS = [

@@ -55,7 +55,7 @@ class RolloutWorker:
         adapter's config under LoRA (the weight updates are then its adapters); `reward_model` the reward
         model's actor, which scores every training group, its scores combined as `reward` says
         (`molt_train.reward_model`); `keep_messages` puts each episode's chat messages on its trajectories,
-        and an evaluation play's trajectories in its record (saved rollouts)."""
+        and an evaluation play's trajectories in its record (saved rollouts, the W&B episode table)."""
         from transformers import AutoTokenizer
 
         from molt_agents.engines import make_engine

@@ -98,7 +98,8 @@ class Runtime:
                             training_sampling(config), seed=config.seed + i, version=state["version"],
                             agent=config.agent, colocate=config.actor.colocate,
                             adapter=adapter_config(lora) if lora else None, reward=config.reward,
-                            reward_model=reward_model, keep_messages=config.log.rollouts)
+                            reward_model=reward_model,
+                            keep_messages=config.log.rollouts or (config.log.wandb and config.log.wandb_episodes > 0))
                         for i in range(config.engine.data_parallel_size)]
         rendezvous = await _started("the trainer's rendezvous", trainer_rendezvous(self.placement))
         self.trainer = TrainerGroup(model_dir, start_dir, config, self.placement, rendezvous, sft)

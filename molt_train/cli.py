@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
                 raise ConfigError(f"--reward.{str(error).removeprefix('--')}") from None
         if config.dry_run:
             sys.exit(dry_run(config, model_dir, reward_dir))
-        resolve_from_model(config, model_dir, gpu_engines=gpu_engines(config))
+        resolve_from_model(config, model_dir)
     except (ConfigError, ValueError) as error:
         sys.exit(f"molt-train: {error}")
     run_dir = Path(config.out or f"runs/{Path(config.env.split(':')[-1]).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -159,13 +159,6 @@ def check_loadable(config: Config) -> None:
             raise ConfigError(f"--agent {config.agent}: {error}") from None
 
 
-def gpu_engines(config: Config) -> bool:
-    """Whether the engines run on GPUs: this machine has one, or the run joins a cluster (which may)."""
-    import shutil
-
-    return config.ray.address is not None or shutil.which("nvidia-smi") is not None
-
-
 def dry_run(config: Config, model_dir: str, reward_dir: str | None = None) -> int:
     """Print the run's plan (`reward_dir`: the reward model's directory, with --reward.model); 0 if it fits,
     else the error naming the flag to change (exit status 1)."""
@@ -174,7 +167,7 @@ def dry_run(config: Config, model_dir: str, reward_dir: str | None = None) -> in
 
     try:
         cluster = plan.cluster_of(config)
-        resolve_from_model(config, model_dir, gpu_engines=cluster.gpus > 0, local=False)
+        resolve_from_model(config, model_dir, local=False)
         the_plan = plan.make_plan(config, model_config(model_dir), cluster,
                                   model_config(reward_dir) if reward_dir else None)
         print(plan.render(the_plan, model_dir))

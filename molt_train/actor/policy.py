@@ -471,7 +471,7 @@ class PolicyRank:
             return None
         weights = {}
         for key, value in state.items():
-            if for_sync and key in self.frozen:
+            if for_sync and (key in self.frozen or key in self.tied_copies):
                 continue
             for name, tensor in self._engine_tensors(key, value):
                 dtype = sync_dtype(tensor.dtype, self.engine_dtype) if for_sync else tensor.dtype
@@ -484,13 +484,24 @@ class PolicyRank:
             return [(lora.file_key(key), tensor)]
         return automodel.hf_tensors(self.model, key, tensor)
 
+    @property
+    def tied_copies(self) -> set[str]:
+        """The state-dict names of a parameter an earlier name holds too (a tied output layer): the engines tie
+        it themselves, so it travels once."""
+        seen, copies = set(), set()
+        for key, value in self.model.state_dict(keep_vars=True).items():
+            if id(value) in seen:
+                copies.add(key)
+            seen.add(id(value))
+        return copies
+
     def weight_meta(self):
         """Name, full shape and dtype (the engines', for floating-point ones) of every weight the engines load,
         in sync order (frozen ones never change, so they never travel). Remembers which of the model's tensors
         holds each."""
         metas, self.sources = [], {}
         for key, value in self.model.state_dict().items():
-            if key in self.frozen:
+            if key in self.frozen or key in self.tied_copies:
                 continue
             meta_tensor = torch.empty(value.shape, dtype=value.dtype, device="meta")
             for name, meta in self._engine_tensors(key, meta_tensor):

@@ -5,6 +5,7 @@ same tokens (fp32), because the trainer recomputes exactly that.
 """
 
 import math
+import random
 
 import pytest
 import torch
@@ -73,9 +74,14 @@ def test_vllm_weight_update_bumps_version_and_changes_logprobs(vllm_dense, dense
     before = vllm_dense.version
     # the dense model reloads through `vllm_cpu_reload` on CPU (the MoE model through vLLM's reload, then a prepack)
     assert (vllm_dense._reload is vllm_cpu_reload.reload) == (not torch.cuda.is_available())
-    version = run(vllm_dense.update_weights(list(model.state_dict().items())))
+    # in any order (q, k and v of a layer apart): the CPU reload groups them by layer before loading
+    weights = list(model.state_dict().items())
+    random.Random(0).shuffle(weights)
+    version = run(vllm_dense.update_weights(weights))
     try:
         assert version == before + 1 == vllm_dense.version
+        if vllm_dense._reload is vllm_cpu_reload.reload:
+            assert weights == [], "the reload lets go of the weights it was given"
         params = SamplingParams(max_tokens=16, n=2, seed=3)
         samples = run(vllm_dense.generate(prompt, params))
         _check_samples(samples, params, version=version)
@@ -114,6 +120,25 @@ def test_vllm_new_requests_never_reuse_kv_of_old_weights(vllm_dense, dense_dir):
     finally:
         original = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32)
         run(vllm_dense.update_weights(list(original.state_dict().items())))
+
+
+def test_the_cpu_reload_goes_a_decoder_layer_at_a_time():
+    modules = {name: torch.nn.Linear(1, 1) for name in (
+        "model.embed_tokens", "model.layers.0.self_attn.qkv_proj", "model.layers.1.self_attn.qkv_proj",
+        "model.layers.10.mlp.down_proj", "model.norm", "lm_head")}
+    pairs = [(name, i) for i, name in enumerate([
+        "model.embed_tokens.weight", "model.layers.1.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.10.mlp.down_proj.weight", "model.layers.1.self_attn.k_proj.weight", "model.norm.weight"])]
+    groups = vllm_cpu_reload.layer_groups(modules, pairs)
+    assert [([next(n for n, m in modules.items() if m is module) for module in group_modules], [i for _, i in group])
+            for group_modules, group in groups] == [
+        (["model.embed_tokens", "model.norm", "lm_head"], [0, 5]),
+        (["model.layers.1.self_attn.qkv_proj"], [1, 4]),  # layers.1 is not layers.10
+        (["model.layers.0.self_attn.qkv_proj"], [2]),
+        (["model.layers.10.mlp.down_proj"], [3])]
+    # a checkpoint whose layer names the model does not have: one group, the whole model
+    odd = [("decoder.layers.0.w", 0), ("model.norm.weight", 1)]
+    assert vllm_cpu_reload.layer_groups(modules, odd) == [(list(modules.values()), odd)]
 
 
 def test_sampling_params_reject_bad_values():

@@ -169,6 +169,12 @@ def test_the_table_takes_one_episode_of_each_group_in_turn(tmp_path, monkeypatch
     metrics = Metrics(tmp_path, Config(log=LogConfig(tensorboard=False, wandb=True, wandb_episodes=3)))
     metrics.episodes(1, groups)
     metrics.close()
+    # finish() returns before W&B's service process has written the run's last records (a loaded CI machine
+    # read the file without step 1); teardown stops the service, which closes the file. A molt-train process
+    # does this as it exits.
+    import wandb
+
+    wandb.teardown()
     _, _, history, (files,) = _offline_run(tmp_path)
     table = json.loads((files / history[1]["episodes"]["path"]).read_text())
     assert table["data"] == [[1, "[user] a", "[assistant] 1", 1.0], [1, "[user] b", "[assistant] 4", 0.25],

@@ -9,20 +9,25 @@ every optimizer step.
 
 `install` (before the engine is built, in its process) makes that packing
 keep each freed weight's `Parameter` (its loader and attributes) without its
-memory. `reload` then gives each kept Parameter memory of its shape and puts
-it back in its layer, loads the weights through the model's own
-`load_weights` (its name mapping and the loaders of fused q/k/v and
-gate/up shards), and packs again every layer whose packing read a weight:
-the linear layers and the LM head. Models with other post-load processing
-(quantized layers, fused experts, vision towers) keep `reload_weights`
-(`fits` says which).
+memory. `reload` goes one decoder layer at a time: it gives each kept
+Parameter of the layer memory of its shape and puts it back, loads the
+layer's weights through the model's own `load_weights` (its name mapping and
+the loaders of fused q/k/v and gate/up shards), packs the layer again (its
+linear layers; outside the layers, the LM head) and lets go of the weights it
+was given. So a reload holds one layer unpacked beside the packed model, not
+a second model (a Qwen3-0.6B-shaped engine: see docs/experiments/real-size.md).
+Models with other post-load processing (quantized layers, fused experts,
+vision towers) keep `reload_weights` (`fits` says which).
 """
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 _SHELL = "_molt_weight_shell"  # a linear layer's freed weight Parameter, and its shape
+_LAYER = re.compile(r"^(.*?\blayers\.\d+\.)")  # a decoder layer's prefix of a weight or module name
 
 
 def install() -> None:
@@ -58,17 +63,44 @@ def fits(worker) -> bool:
 
 
 def reload(worker, weights) -> None:
-    """Load `(hf_name, tensor)` pairs into the worker's model in place and pack its layers again."""
+    """Load `(hf_name, tensor)` pairs into the worker's model in place and pack its layers again, a decoder
+    layer at a time. A list of pairs is emptied as it is read, and each layer's tensors are let go once the
+    layer is packed, so the caller's copy of the weights shrinks as the reload goes."""
     model = worker.get_model()
-    for module in model.modules():
-        shell = getattr(module, _SHELL, None)
-        if shell is not None:
-            weight, shape = shell
-            weight.data = torch.empty(shape, dtype=weight.dtype, device=weight.device)
-            module.weight = weight
-            delattr(module, _SHELL)
-    model.load_weights(weights)
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if method is not None:
-            method.process_weights_after_loading(module)
+    pairs = list(weights)
+    if isinstance(weights, list):
+        weights.clear()
+    groups = layer_groups(dict(model.named_modules()), pairs)
+    pairs.clear()
+    for modules, group in groups:
+        for module in modules:
+            shell = getattr(module, _SHELL, None)
+            if shell is not None:
+                weight, shape = shell
+                weight.data = torch.empty(shape, dtype=weight.dtype, device=weight.device)
+                module.weight = weight
+                delattr(module, _SHELL)
+        model.load_weights(group)
+        group.clear()  # the loaders copied them
+        for module in modules:
+            method = getattr(module, "quant_method", None)
+            if method is not None:
+                method.process_weights_after_loading(module)
+
+
+def layer_groups(modules: dict[str, torch.nn.Module], pairs: list) -> list[tuple[list, list]]:
+    """`pairs` split by decoder layer (the `layers.N.` prefix of their names), in the order they come, each
+    with the modules under that prefix in `modules` (name -> module); the pairs outside any layer
+    (embeddings, final norm, LM head) are one group with every module outside the layers. When a layer's
+    prefix names no module (the model names its layers otherwise than the checkpoint does), the whole model
+    is one group."""
+    by_prefix: dict[str, list] = {}
+    for name, tensor in pairs:
+        match = _LAYER.match(name)
+        by_prefix.setdefault(match.group(1) if match else "", []).append((name, tensor))
+    under = {prefix: [m for name, m in modules.items() if (name + ".").startswith(prefix)]
+             for prefix in by_prefix if prefix}
+    under[""] = [m for name, m in modules.items() if not _LAYER.match(name + ".")]
+    if not all(under[prefix] for prefix in by_prefix):
+        return [(list(modules.values()), [pair for group in by_prefix.values() for pair in group])]
+    return [(under[prefix], group) for prefix, group in by_prefix.items()]

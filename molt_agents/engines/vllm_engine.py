@@ -266,9 +266,14 @@ class VLLMEngine(SteppedEngine):
             self._load_adapter(dict(named_tensors))
             return
         # One reload takes the whole model (it completes fused layers as their parts arrive). Ranks in other
-        # processes get it as a message, so there it is gathered first, on the host.
-        weights = iter(named_tensors) if self._ranks_in_process else [
-            (name, tensor.cpu()) for name, tensor in named_tensors]
+        # processes get it as a message, so there it is gathered first, on the host. `vllm_cpu_reload` takes
+        # the list itself, to let go of each layer's tensors once that layer is in.
+        if not self._ranks_in_process:
+            weights = [(name, tensor.cpu()) for name, tensor in named_tensors]
+        elif self._reload is vllm_cpu_reload.reload:
+            weights = named_tensors if isinstance(named_tensors, list) else list(named_tensors)
+        else:
+            weights = iter(named_tensors)
         if self._reload == "reload_weights":
             self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         else:

@@ -54,7 +54,7 @@ def test_an_sft_step_on_trajectory_records_equals_a_plain_transformers_step(back
     (row,) = _metrics(out)
 
     model = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, foreach=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=True)
     total, trained = 0.0, sum(sum(record["mask"]) for record in records)
     for record in records:  # the trained tokens' log-likelihood, each given the tokens before it
         ids = torch.tensor([record["token_ids"]])

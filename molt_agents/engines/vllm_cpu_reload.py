@@ -22,6 +22,8 @@ vision towers) keep `reload_weights` (`fits` says which).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import re
 
 import torch
@@ -86,6 +88,17 @@ def reload(worker, weights) -> None:
             method = getattr(module, "quant_method", None)
             if method is not None:
                 method.process_weights_after_loading(module)
+    _release_freed_memory()
+
+
+def _release_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's `malloc_trim`). The layers' unpacked weights and
+    packings come and go through the heap, and without this its free pages stay with the process: an engine
+    of Qwen3-0.6B's shape grew by about 1.3 GB a weight sync."""
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def layer_groups(modules: dict[str, torch.nn.Module], pairs: list) -> list[tuple[list, list]]:

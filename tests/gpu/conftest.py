@@ -1,6 +1,12 @@
 """GPU checks: shared fixtures, and the report of what ran.
 
-Every module here skips without CUDA (its own `pytestmark`, with the reason).
+Every module here skips without CUDA (its own `pytestmark`, with the reason),
+and a check that needs what this Python lacks (vLLM, Ray: the lent GPU machine
+has neither, and no network to install them) skips saying so (`needs`).
+`MOLT_GPU_CHECK_FORCE=1` runs the checks without CUDA all the same: the dry run
+of `scripts/gpu_check.sh`'s GPU branch on a machine without a GPU, where each
+check gets through its imports and CPU-side preparation and fails at its first
+CUDA call.
 A test records its measured numbers with pytest's `record_property`; when
 `MOLT_GPU_REPORT` names a file, the outcome and numbers of every test in this
 folder are written there as JSON at the end of the session, and
@@ -11,12 +17,17 @@ with `tests/conftest.py`, whose fixtures (`vllm_engines`, `dense_dir`,
 `moe_dir`) and helper `run` the tests here use.
 """
 
+import importlib.util
 import json
 import os
 from dataclasses import fields, replace
 from pathlib import Path
 
+import pytest
 import torch
+
+# Whether the checks run: CUDA is there, or MOLT_GPU_CHECK_FORCE=1 (a dry run without it).
+CUDA = torch.cuda.is_available() or os.environ.get("MOLT_GPU_CHECK_FORCE") == "1"
 
 _results: dict[str, dict] = {}  # nodeid -> {"outcome", "reason", "numbers"}
 
@@ -25,6 +36,14 @@ _results: dict[str, dict] = {}  # nodeid -> {"outcome", "reason", "numbers"}
 # one may not give all of its memory back); the transformers references and the trainer use the rest.
 # enforce_eager skips CUDA-graph capture and compilation (a minute per engine start), so the checks stay short.
 GPU_ENGINE_ARGS = {"gpu_memory_utilization": 0.15, "enforce_eager": True}
+
+
+def needs(*modules: str):
+    """Skip unless every one of `modules` is installed in this Python."""
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    return pytest.mark.skipif(bool(missing), reason=f"cannot run in this Python: no {' and no '.join(missing)} "
+                                                    "(the lent GPU machine has neither vLLM nor Ray, and no network "
+                                                    "to install them)")
 
 
 def on_device(mb, device):
@@ -46,8 +65,9 @@ def pytest_runtest_logreport(report):
         entry["reason"] = reason.removeprefix("Skipped: ")
     elif report.failed:
         entry["outcome"] = "failed"
-        lines = (report.longreprtext or "").strip().splitlines()
-        entry["reason"] = f"{report.when}: {lines[-1] if lines else 'failed'}"
+        crash = getattr(report.longrepr, "reprcrash", None)  # the exception's own message, where pytest has it
+        lines = crash.message.splitlines() if crash else (report.longreprtext or "").strip().splitlines()[-1:]
+        entry["reason"] = f"{report.when}: {lines[0] if lines else 'failed'}"
 
 
 def pytest_sessionfinish(session):

@@ -18,9 +18,10 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA: bf16 molt-train run")
+from .conftest import CUDA, needs
+
+pytestmark = [pytest.mark.skipif(not CUDA, reason="no CUDA: bf16 molt-train run"), needs("vllm", "ray")]
 
 MOLT_TRAIN = [sys.executable, "-m", "molt_train.cli"]
 STEPS = 20

@@ -16,9 +16,9 @@ from conftest import run  # tests/conftest.py
 
 from molt_agents.engines import SamplingParams
 
-from .conftest import GPU_ENGINE_ARGS, on_device
+from .conftest import CUDA, GPU_ENGINE_ARGS, needs, on_device
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA: vLLM GPU engine checks")
+pytestmark = [pytest.mark.skipif(not CUDA, reason="no CUDA: vLLM GPU engine checks"), needs("vllm")]
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-1}  # worst token; the mean is held to a third of it
 

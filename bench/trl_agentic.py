@@ -42,7 +42,7 @@ from trl.chat_template_utils import parse_response, qwen3_template
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import locker_task  # noqa: E402
 import workload  # noqa: E402
-from trl_run import StepLog, TimedGRPOTrainer, grpo_config  # noqa: E402
+from trl_run import StepLog, TimedGRPOTrainer, grpo_config, train  # noqa: E402
 
 MAX_TOKENS = 32  # new tokens per reply (Molt's --rollout.max_tokens)
 MAX_TOTAL_TOKENS = 1024  # a whole episode, prompt included (Molt's --rollout.max_total_tokens)
@@ -146,10 +146,7 @@ def main() -> None:
                                  args=config, train_dataset=dataset(args.seed, args.steps * workload.GROUPS_PER_STEP),
                                  environment_factory=LockerEnv)
     check_parser(tokenizer, trainer._env_tools[None])
-    log = AgenticStepLog(trainer, args.out)
-    trainer.add_callback(log)
-    log.start()
-    trainer.train()
+    train(trainer, args.out, AgenticStepLog)
 
 
 if __name__ == "__main__":

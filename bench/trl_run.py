@@ -140,6 +140,14 @@ def grpo_config(out: Path, seed: int, steps: int, **settings) -> GRPOConfig:
     ), **settings})
 
 
+def train(trainer: TimedGRPOTrainer, out: Path, step_log: type[StepLog] = StepLog) -> None:
+    """trainer.train(), one JSON line per optimizer step into `out` (elapsed from this call)."""
+    log = step_log(trainer, out)
+    trainer.add_callback(log)
+    log.start()
+    trainer.train()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -154,10 +162,7 @@ def main() -> None:
                          max_completion_length=workload.WORKLOADS[args.workload]["max_tokens"])
     trainer = TimedGRPOTrainer(model=args.model, reward_funcs=addition_reward, args=config,
                                train_dataset=dataset(args.seed, args.steps * workload.GROUPS_PER_STEP))
-    log = StepLog(trainer, args.out)
-    trainer.add_callback(log)
-    log.start()
-    trainer.train()
+    train(trainer, args.out)
 
 
 if __name__ == "__main__":

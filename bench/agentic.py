@@ -115,6 +115,12 @@ def _cell(values: list, fmt) -> str:
     return "-" if mean is None else f"{fmt(mean)} ({' / '.join('-' if v is None else fmt(v) for v in values)})"
 
 
+def common_reward(run_data: dict, steps: int) -> float | None:
+    """Mean reward over steps `steps` - REWARD_WINDOW + 1 .. `steps`: the same steps on every system."""
+    rewards = [row["reward"] for row in report.steps(run_data)[:steps]]
+    return report._mean(rewards[-report.REWARD_WINDOW:])
+
+
 def table(data: dict) -> str:
     window = report.REWARD_WINDOW
     lines = [f"# Agentic workload (locker): Molt and TRL, {data['wall_cap']:.0f} s or {data['steps']} steps a run, "
@@ -122,11 +128,17 @@ def table(data: dict) -> str:
              f"steps: optimizer steps done within the cap. s/step: median after the first {report.WARMUP_STEPS} "
              f"steps. process: the command's wall clock, startup and shutdown included. Reward: mean of the first "
              f"and the last {window} steps done. Tool calls per episode over the last {window} steps. Each: the "
-             "mean over seeds, then per seed.", ""]
+             f"mean over seeds, then per seed. Reward at common steps: the mean over the last {window} of the steps "
+             "that every system did at this latency and seed (the fewest any of them did), so the systems are "
+             "compared at the same steps.", ""]
     header = ["system", "steps", "s/step", "s/step / TRL's", "process (s)", f"reward first {window} -> last {window}",
-              "tool calls / episode"]
+              "reward at common steps", "tool calls / episode"]
     for latency in data["latencies"]:
-        lines += [f"## {latency} a tool call", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        done = [r for r in data["runs"] if r["workload"] == f"locker-{latency}" and r["records"]]
+        common = {seed: min(len(r["records"]) for r in done if r["seed"] == seed) for seed in {r["seed"] for r in done}}
+        lines += [f"## {latency} a tool call (common steps: "
+                  f"{', '.join(f'seed {seed}: {n}' for seed, n in sorted(common.items()))})", "",
+                  "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         trl_step = None
         for system in data["systems"]:
             runs = [r for r in data["runs"] if r["workload"] == f"locker-{latency}" and r["system"] == system
@@ -136,7 +148,6 @@ def table(data: dict) -> str:
             summaries = [report.summary(r) for r in runs]
             step = report._mean(s["s_per_step"] for s in summaries)
             trl_step = step if system == "trl" else trl_step
-
             lines.append("| " + " | ".join([
                 system, _cell([len(r["records"]) for r in runs], lambda x: f"{x:.0f}"),
                 _cell([s["s_per_step"] for s in summaries], report._seconds),
@@ -145,6 +156,7 @@ def table(data: dict) -> str:
                 report._reward(report._mean(s["reward_first"] for s in summaries),
                                report._mean(s["reward_last"] for s in summaries)) + " (" + "; ".join(
                     report._reward(s["reward_first"], s["reward_last"]) for s in summaries) + ")",
+                _cell([common_reward(r, common[r["seed"]]) for r in runs], lambda x: f"{x:.2f}"),
                 _cell([tool_calls(r) for r in runs], lambda x: f"{x:.2f}")]) + " |")
         lines.append("")
     return "\n".join(lines)

@@ -7,6 +7,8 @@ re-tokenizing what the policy wrote.
 
 import asyncio
 import json
+import socket
+import time
 
 import httpx
 import openai
@@ -461,6 +463,41 @@ def test_bad_requests_keep_the_connection_alive(loopback):
     assert len(set(ports)) == 1, f"the client had to reconnect: local ports {ports}"
     assert [r.status_code for r in responses] == [400, 200] * 3, [r.text for r in responses]
     assert finished.json()["segments"] == 3
+
+
+def _read_reply(connection: socket.socket) -> bytes:
+    """One HTTP/1.1 reply with a Content-Length from `connection`; what came if it closed first."""
+    reply = b""
+    while b"\r\n\r\n" not in reply:
+        chunk = connection.recv(1 << 16)
+        if not chunk:
+            return reply
+        reply += chunk
+    head, body = reply.split(b"\r\n\r\n", 1)
+    fields = dict(line.lower().split(b": ", 1) for line in head.split(b"\r\n")[1:])
+    length = int(fields[b"content-length"])
+    while len(body) < length:
+        body += connection.recv(1 << 16)
+    return reply
+
+
+def test_an_idle_connection_outlives_the_clients_keep_alive(loopback):
+    """A client may reuse a connection it kept idle for longer than uvicorn's default keep-alive (5 s): the
+    server must not have closed it, or a request sent as it closes reads a closed connection (ReadError)."""
+    from molt_agents.loopback.server import KEEP_ALIVE_S
+
+    assert KEEP_ALIVE_S > 15  # httpx and the openai SDK keep idle connections 5 s, aiohttp 15 s
+    session = loopback.open_session().id
+    request = (f"GET /s/{session}/v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+               f"Authorization: Bearer {loopback.api_key}\r\n\r\n").encode()
+    replies = []
+    with socket.create_connection(("127.0.0.1", loopback.port), timeout=30) as connection:
+        for pause in (0, 6):  # the second request on the same connection after an idle gap past 5 s
+            time.sleep(pause)
+            connection.sendall(request)
+            replies.append(_read_reply(connection))
+    assert replies[0].startswith(b"HTTP/1.1 200"), replies[0]
+    assert replies[1].startswith(b"HTTP/1.1 200"), f"the server closed the idle connection: {replies[1]!r}"
 
 
 def test_an_unexpected_error_is_a_json_500_that_keeps_session_and_connection(vllm_engines, dense_dir, caplog):

@@ -56,6 +56,12 @@ from molt_env.trajectory import Trajectory
 
 log = logging.getLogger("molt.loopback")
 
+# How long an idle keep-alive connection stays open. A server that closes it while a client still counts
+# it as reusable races that client's next request (the client reads a closed connection: httpx's
+# ReadError). Clients drop idle connections after 4-15 s (httpx and the openai SDK 5 s, aiohttp 15 s) or
+# never (requests); uvicorn's default, 5 s, is one of those. 75 s outlasts them, as nginx's default does.
+KEEP_ALIVE_S = 75
+
 
 class Loopback:
     """Serve `engine` (with `tokenizer`) on the OpenAI wire and capture sessions.
@@ -159,7 +165,7 @@ class Loopback:
 
         self._pick_port()
         config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning",
-                                lifespan="off", timeout_graceful_shutdown=1)
+                                lifespan="off", timeout_graceful_shutdown=1, timeout_keep_alive=KEEP_ALIVE_S)
         self._server = uvicorn.Server(config)
         await self._server.serve()
 

@@ -7,8 +7,14 @@ Each session is a multi-turn chat played by a plain `httpx.AsyncClient` that
 reuses its connections (keep-alive, httpx's default idle expiry): a user
 turn, the reply appended, the next user turn, on the Chat Completions route
 (`/chat/completions`, `messages`) and on the Responses route (`/responses`,
-the whole conversation as `input`). Every run starts its server fresh, warms
-it up, plays both routes and stops it; the servers alternate run by run.
+the whole conversation as `input`). Two client modes: `session`, one
+`AsyncClient` per session (each agent program its own), and `shared`, one
+for all, whose pool then holds a connection per session (httpcore's pool
+scans its idle connections once per idle connection on every request, so at
+256 connections this client, not the server, sets the pace); the shared
+client first idles `--idle` s on its warm-up connections. Every run starts
+its server fresh, warms it up, plays both routes in both modes and stops
+it; the servers alternate run by run.
 
 For molt-serve every sampled token must be captured: after the timed part
 each session is finished, and the trajectories molt-serve wrote must hold,
@@ -60,7 +66,7 @@ class Server:
         env = dict(os.environ)
         if name.startswith("molt"):
             tree = Path(name.split("@", 1)[1]) if "@" in name else ROOT
-            env["PYTHONPATH"] = str(tree)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")]))
             command = [sys.executable, "-m", "molt_agents.serve", "--model", model, "--port", str(self.port),
                        "--api-key", API_KEY, "--max-model-len", str(max_model_len),
                        "--trajectories", str(self.trajectories), *extra]
@@ -102,6 +108,18 @@ class Server:
             time.sleep(0.5)
         raise RuntimeError(f"{self.name} did not start in {timeout} s")
 
+    def cpu_seconds(self) -> float:
+        """CPU time so far of the server's processes (its process group: vLLM's engine core included)."""
+        total = 0.0
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == self.process.pid:  # pgrp: the server started a session of its own
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return total
+
     def alive(self) -> bool:
         return self.process.poll() is None
 
@@ -133,9 +151,13 @@ def reply_of(route: str, body: dict) -> tuple[str, int]:
     return text, body["usage"]["output_tokens"]
 
 
-async def play(client: httpx.AsyncClient, server: Server, route: str, session: str, index: int, turns: int,
-               max_tokens: int, seed: int | None) -> dict:
-    """One session's turns; its replies, token counts and the first error, if one ended it."""
+async def play(client: httpx.AsyncClient | None, server: Server, route: str, session: str, index: int,
+               turns: int, max_tokens: int, seed: int | None) -> dict:
+    """One session's turns; its replies, token counts and the first error, if one ended it. Without `client`
+    the session opens its own (its connection reused from turn to turn), as an agent program would."""
+    if client is None:
+        async with own_client(1) as client:
+            return await play(client, server, route, session, index, turns, max_tokens, seed)
     messages, replies, tokens = [], [], []
     url = server.base(session) + ("/chat/completions" if route == "chat" else "/responses")
     try:
@@ -158,18 +180,28 @@ async def play(client: httpx.AsyncClient, server: Server, route: str, session: s
                 "error": f"{type(error).__name__}: {error} {detail}".strip()}
 
 
-async def load(server: Server, route: str, prefix: str, args) -> dict:
-    limits = httpx.Limits(max_connections=args.sessions, max_keepalive_connections=args.sessions)
-    async with httpx.AsyncClient(limits=limits, timeout=args.timeout,
-                                 headers={"Authorization": f"Bearer {API_KEY}"}) as client:
-        # warm-up: a few short sessions, then an idle gap as long as a user's think time (`--idle`)
+TLS = httpx.create_ssl_context()  # built once: httpx would load the CA bundle again for every client
+
+
+def own_client(connections: int, timeout: float = 600) -> httpx.AsyncClient:
+    """A plain client: httpx's keep-alive defaults, `connections` at once."""
+    return httpx.AsyncClient(limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+                             timeout=timeout, verify=TLS, headers={"Authorization": f"Bearer {API_KEY}"})
+
+
+async def load(server: Server, route: str, client_mode: str, prefix: str, args) -> dict:
+    async with own_client(args.sessions, args.timeout) as client:
+        # warm-up: a few short sessions; a shared client then idles (`--idle`) and reuses their connections
         await asyncio.gather(*(play(client, server, route, f"{prefix}-warm{i}", i, 1, args.max_tokens, args.seed)
                                for i in range(8)))
-        await asyncio.sleep(args.idle)
-        start = time.perf_counter()
-        sessions = await asyncio.gather(*(play(client, server, route, f"{prefix}-{i}", i, args.turns,
+        if client_mode == "shared":
+            await asyncio.sleep(args.idle)
+        start, server_cpu, client_cpu = time.perf_counter(), server.cpu_seconds(), time.process_time()
+        sessions = await asyncio.gather(*(play(client if client_mode == "shared" else None, server, route,
+                                               f"{prefix}-{i}", i, args.turns,
                                                args.max_tokens, args.seed) for i in range(args.sessions)))
         wall = time.perf_counter() - start
+        server_cpu, client_cpu = server.cpu_seconds() - server_cpu, time.process_time() - client_cpu
         finish_s = None
         if server.molt:
             start = time.perf_counter()
@@ -184,9 +216,10 @@ async def load(server: Server, route: str, prefix: str, args) -> dict:
                     record["error"] = record["error"] or f"finish: {reply}"
     errors = [s["error"] for s in sessions if s["error"]]
     tokens = sum(sum(s["tokens"]) for s in sessions)
-    return {"server": server.name, "route": route, "sessions": args.sessions, "turns": args.turns,
-            "max_tokens": args.max_tokens, "wall_s": wall, "sessions_per_s": args.sessions / wall,
-            "tokens": tokens, "tokens_per_s": tokens / wall, "errors": len(errors), "error_kinds": errors[:5],
+    return {"server": server.name, "route": route, "client": client_mode, "sessions": args.sessions,
+            "turns": args.turns, "max_tokens": args.max_tokens, "wall_s": wall, "sessions_per_s": args.sessions / wall,
+            "tokens": tokens, "tokens_per_s": tokens / wall, "server_cpu_s": server_cpu,
+            "client_cpu_s": client_cpu, "errors": len(errors), "error_kinds": errors[:5],
             "finish_s": finish_s, "server_alive": server.alive(), "_sessions": sessions}
 
 
@@ -233,19 +266,22 @@ def check_capture(trajectories: Path, runs: list[dict], tokenizer) -> None:
 
 
 def table(runs: list[dict]) -> str:
-    lines = ["| server | route | runs | wall s (median, min-max) | sessions/s | tokens/s | errors | captured |",
-             "|---|---|---|---|---|---|---|---|"]
-    keys = dict.fromkeys((r["server"], r["route"]) for r in runs)
-    for server, route in keys:
-        group = [r for r in runs if (r["server"], r["route"]) == (server, route)]
+    lines = ["| client | server | route | runs | wall s (median, min-max) | sessions/s | tokens/s | server CPU s "
+             "| client CPU s | errors | captured |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    keys = sorted(dict.fromkeys((r["client"], r["server"], r["route"]) for r in runs),
+                  key=lambda k: (k[0], k[2]))
+    for client, server, route in keys:
+        group = [r for r in runs if (r["client"], r["server"], r["route"]) == (client, server, route)]
         done = [r for r in group if "wall_s" in r]
         walls = [r["wall_s"] for r in done]
         captured = {r.get("captured") for r in done}
         lines.append(
-            f"| {server} | {route} | {len(group)} | "
+            f"| {client} | {server} | {route} | {len(group)} | "
             + (f"{statistics.median(walls):.2f} ({min(walls):.2f}-{max(walls):.2f}) | "
                f"{statistics.median(r['sessions_per_s'] for r in done):.1f} | "
-               f"{statistics.median(r['tokens_per_s'] for r in done):.0f} | " if done else "- | - | - | ")
+               f"{statistics.median(r['tokens_per_s'] for r in done):.0f} | "
+               f"{statistics.median(r['server_cpu_s'] for r in done):.1f} | "
+               f"{statistics.median(r['client_cpu_s'] for r in done):.1f} | " if done else "- | - | - | - | - | ")
             + f"{sum(r.get('errors', 0) for r in done)} + {len(group) - len(done)} failed runs | "
             + ("-" if captured == {None} else "all" if captured == {True} else "NO") + " |")
     return "\n".join(lines)
@@ -263,7 +299,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=None,
                         help="seed each request (session's index added); default: unseeded")
     parser.add_argument("--idle", type=float, default=4.9,
-                        help="seconds between the warm-up and the timed sessions, on the warm-up's connections: just under httpx's idle expiry (5 s), where a server that closes idle connections at 5 s races the client")
+                        help="seconds between the warm-up and the timed sessions, on the warm-up's connections: "
+                             "just under httpx's idle expiry (5 s), where a server that closes idle connections "
+                             "at 5 s races the client")
+    parser.add_argument("--clients", nargs="+", default=["session", "shared"], choices=["session", "shared"],
+                        help="client modes, each run on every server start: one httpx.AsyncClient per session "
+                             "(each agent its own), or one shared by all (its pool holds a connection per session)")
     parser.add_argument("--timeout", type=float, default=600, help="client timeout per request, seconds")
     parser.add_argument("--model", default="tiny:chat", help="model directory or tiny model name")
     parser.add_argument("--max-model-len", type=int, default=1024)
@@ -290,17 +331,20 @@ def main() -> None:
                 server.wait_ready()
                 routes = args.routes if run_index % 2 == 0 else args.routes[::-1]
                 batch = []
-                for route in routes:
+                for route, client_mode in [(r, c) for c in args.clients for r in routes]:
                     try:
-                        batch.append(asyncio.run(load(server, route, f"r{run_index}-{route}", args)))
+                        batch.append(asyncio.run(load(server, route, client_mode,
+                                                      f"r{run_index}-{route}-{client_mode}", args)))
                     except Exception as error:  # noqa: BLE001 - the server died: record it, go on
-                        batch.append({"server": name, "route": route, "failed": f"{type(error).__name__}: {error}"})
+                        batch.append({"server": name, "route": route, "client": client_mode,
+                                      "failed": f"{type(error).__name__}: {error}"})
                     if not server.alive():
                         batch[-1]["server_died"] = server.log.read_text()[-2000:]
                         break
             except Exception as error:  # noqa: BLE001
-                batch = [{"server": name, "route": route, "failed": f"{type(error).__name__}: {error}"}
-                         for route in args.routes]
+                failed = f"{type(error).__name__}: {error}"
+                batch = [{"server": name, "route": route, "client": c, "failed": failed}
+                         for c in args.clients for route in args.routes]
             finally:
                 server.stop()
             if server.molt:

@@ -126,6 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     from molt_train.loop import RunFailed, run
     from molt_train.stop import Stopped
 
+    console.startup.mark("command")
+
     try:
         run(config, run_dir, model_dir, console)
     except Stopped as stopped:

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 import traceback
 from pathlib import Path
 from typing import TextIO
+
+from molt_train.startup import Startup
 
 LOG = "molt.log"
 
@@ -24,7 +25,7 @@ LOG = "molt.log"
 class Console:
     def __init__(self, run_dir: Path, verbose: bool, prog: str = "molt-train"):
         self.log_path, self.prog = run_dir / LOG, prog
-        self.started = time.perf_counter()
+        self.startup = Startup()
         sys.stdout.flush()
         sys.stderr.flush()
         if verbose:
@@ -39,9 +40,11 @@ class Console:
     def say(self, line: str) -> None:
         print(line, file=self.terminal, flush=True)
 
-    def phase(self, what: str) -> None:
-        """One start-up phase, with the seconds since the run began."""
-        self.say(f"# {what} ({time.perf_counter() - self.started:.0f} s)")
+    def phase(self, what: str, ended: str | None = None) -> None:
+        """One line of start-up, with the seconds since the command; `ended`: the phase it ends (`Startup`)."""
+        if ended:
+            self.startup.mark(ended)
+        self.say(f"# {what} ({self.startup.since_command():.0f} s)")
 
     def progress(self, total: int, done: int):
         from tqdm import tqdm

@@ -45,7 +45,7 @@ async def train(config, run_dir: Path, model_dir: str, console: Console) -> None
         "step": 0, "version": 0, "data": {"next_index": 0, "redo": []}}
     if resume_from:
         console.phase(f"resuming from {resume_from}")
-    runtime = await Runtime.start(config, model_dir, resume_from, state, console.phase)
+    runtime = await Runtime.start(config, model_dir, resume_from, state, console)
     metrics = Metrics(run_dir, config, resume_step=state["step"])
     rollouts = RolloutLog(run_dir, config.log, resume_step=state["step"]) if config.log.rollouts else None
     step, version = state["step"], state["version"]
@@ -66,15 +66,19 @@ async def train(config, run_dir: Path, model_dir: str, console: Console) -> None
             if rollouts:
                 rollouts.write(0, [], evaluator.plays)
             progress.set_postfix(eval=f"{evaluator.last_reward:.3f}")
+            console.startup.mark("first_eval")
         reported: set[str] = set()  # failure messages already shown
         failing: list[str] = []  # the first failure of each step in a row whose every episode failed
         began = time.perf_counter()
+        first = True  # this process's first step: it logs `time/startup/*`
         while step < config.steps and stop.received is None:
             started = time.perf_counter()
             groups = await stop.unless_stopped(runtime.groups.take())
             if groups is None:
                 break
             waited = time.perf_counter() - started
+            if first:
+                console.startup.mark("first_rollouts")
 
             items, stats = assemble(groups, version, config.algo)
             segments = {}  # for the saved rollouts: what the trainer did with each segment
@@ -102,6 +106,10 @@ async def train(config, run_dir: Path, model_dir: str, console: Console) -> None
             if config.actor.colocate:
                 await runtime.wake_engines()
             trained = time.perf_counter() - stepped
+            if first:
+                console.startup.mark("first_step")
+                stats |= console.startup.metrics()
+                first = False
 
             syncing = time.perf_counter()
             if items:

@@ -56,6 +56,7 @@ class RolloutWorker:
         model's actor, which scores every training group, its scores combined as `reward` says
         (`molt_train.reward_model`); `keep_messages` puts each episode's chat messages on its trajectories,
         and an evaluation play's trajectories in its record (saved rollouts, the W&B episode table)."""
+        began = time.perf_counter()
         from transformers import AutoTokenizer
 
         from molt_agents.engines import make_engine
@@ -94,6 +95,11 @@ class RolloutWorker:
         self.admitting.set()
         self.loading: asyncio.Future | None = None  # a weight update queued on the engine (`update_weights`)
         self.loop: asyncio.AbstractEventLoop | None = None  # the loop the episodes run on (`group`, `evaluate`)
+        self._init_seconds = time.perf_counter() - began
+
+    def init_seconds(self) -> float:
+        """How long this worker's constructor took (the engine's build, mostly): `time/startup/engine_init`."""
+        return self._init_seconds
 
     async def groups(self, chunk: list[tuple[int, int]], size: int) -> list[Group]:
         """`group` for every `(group_index, env_seed)` of `chunk`, played at once; in that order."""

@@ -20,6 +20,7 @@ after it, which would otherwise wait on the dead process). A trainer rank that d
 from __future__ import annotations
 
 import asyncio
+import time
 
 import ray
 
@@ -71,26 +72,28 @@ def _describe(nodes: dict[str, list[str]]) -> str:
 
 class Runtime:
     @classmethod
-    async def start(cls, config, model_dir: str, resume_from, state: dict, phase=print, sft: bool = False) -> Runtime:
+    async def start(cls, config, model_dir: str, resume_from, state: dict, console, sft: bool = False) -> Runtime:
         """Start Ray, the rollout workers and the trainer (`sft`: on the supervised loss, for `molt-sft`);
-        `phase(line)` reports each step of start-up. A component that fails to start raises `StartupError`
+        `console.phase` reports each step of start-up, and `console.startup` gets the phases' seconds. A component that fails to start raises `StartupError`
         naming it and the cause."""
         self = cls()
-        self.config, self.version, self.report = config, state["version"], phase
+        self.config, self.version, self.report = config, state["version"], console.phase
+        phase, startup = console.phase, console.startup
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:
             # "local": a new instance even where `ray start` left a cluster that a bare ray.init() would join.
             ray.init(address=config.ray.address or "local",
                      num_cpus=None if config.ray.address else local_cpus(config),
                      include_dashboard=False, log_to_driver=True, configure_logging=False)
-        phase(f"ray: {'joined ' + config.ray.address if config.ray.address else 'started a local instance'}")
+        phase(f"ray: {'joined ' + config.ray.address if config.ray.address else 'started a local instance'}", "ray")
         self.placement = await Placement.reserve(config)  # a ConfigError names the flags
-        phase(f"placement: {_describe(self.placement.nodes())}")
+        phase(f"placement: {_describe(self.placement.nodes())}", "placement")
         start_dir = str(checkpoint.policy_dir(resume_from)) if resume_from else model_dir
         # Under LoRA the engines serve the run's model, and the trainer's adapters once it is up.
         lora = config.actor.lora if config.actor.lora.rank else None
         # A worker whose process dies is restarted by Ray with these arguments; `check_workers` then gives it
         # the current weights and version.
+        created = time.time()
         reward_model = self._start_reward_model() if config.reward.model else None
         worker = ray.remote(max_restarts=WORKER_RESTARTS, concurrency_groups={"control": 1})(RolloutWorker)
         self.workers = [worker.options(**self.placement.engine(i).options()).remote(
@@ -104,19 +107,24 @@ class Runtime:
         rendezvous = await _started("the trainer's rendezvous", trainer_rendezvous(self.placement))
         self.trainer = TrainerGroup(model_dir, start_dir, config, self.placement, rendezvous, sft)
         description = await _started("the trainer", self.trainer.ranks[0].describe.remote())
+        startup.add("trainer", time.time() - created)
         phase(f"actor: {description}")
         if resume_from:
             await _started("the trainer's restore", self.trainer.restore(str(resume_from)))
         self.instances = await _started("a rollout worker", asyncio.gather(*(w.instance.remote()
                                                                               for w in self.workers)))
+        startup.add("engines", time.time() - created)
+        startup.add("trainer_init", await self.trainer.ranks[0].init_seconds.remote())
+        startup.add("engine_init", max(await asyncio.gather(*(w.init_seconds.remote() for w in self.workers)),
+                                       default=0.0))
         if lora:
             adapters = ray.put(await self.trainer.weights())
             await _started("the engines' adapters", asyncio.gather(*(w.load_weights.remote(adapters, self.version)
                                                                      for w in self.workers)))
-        phase(f"rollout workers: {len(self.workers)} x {config.engine.name} engine")
+        phase(f"rollout workers: {len(self.workers)} x {config.engine.name} engine", "actors")
         if config.train.weight_sync == "broadcast":
             await _started("the weight-sync channel", self._open_channel())
-        phase(f"weight sync: {config.train.weight_sync}")
+        phase(f"weight sync: {config.train.weight_sync}", "weight_sync")
         data = state["data"]
         self.groups = GroupStream(self.workers, config.rollout.group_size, config.rollout.groups_per_step,
                                   config.train.async_queue_size, config.seed, data["next_index"], data["redo"],

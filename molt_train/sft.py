@@ -174,7 +174,7 @@ async def train(config: SFTConfig, run_dir: Path, model_dir: str, examples: list
     resume_from = checkpoint.latest(run_dir) if config.resume else None
     state = checkpoint.load_state(resume_from) if resume_from else {
         "step": 0, "version": 0, "data": {"next_index": 0, "redo": []}}
-    runtime = await Runtime.start(run, model_dir, resume_from, state, console.phase, sft=True)
+    runtime = await Runtime.start(run, model_dir, resume_from, state, console, sft=True)
     metrics = Metrics(run_dir, run, resume_step=state["step"])
     evaluator = Evaluator(run, runtime.workers, recover=runtime.check_workers) if config.env else None
     step, version = state["step"], state["version"]

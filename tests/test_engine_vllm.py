@@ -255,3 +255,19 @@ def test_vllm_many_concurrent_seeded_requests(vllm_dense, dense_dir):
 
     results = run(many())
     assert len(results) == 160 and all(len(r[0].token_ids) >= 1 for r in results)
+
+
+def test_the_cpu_engine_compiles_nothing_on_its_first_step(vllm_dense, dense_dir):
+    """vLLM's sampler counts each sampled token's rank in a function it compiles with Inductor (10.5 s on the
+    first step with a cold cache on this CPU); the CPU engine swaps in an eager count of the same integers."""
+    from vllm.v1.sample import sampler
+    from vllm.v1.sample.ops import logprobs as vllm_logprobs
+
+    from molt_agents.engines.vllm_engine import _count_at_least
+
+    run(vllm_dense.generate(_prompt(dense_dir), SamplingParams(max_tokens=4, n=2, seed=3)))
+    assert sampler.batched_count_greater_than is _count_at_least
+    logprobs = torch.log_softmax(torch.randn(6, 50), -1).round(decimals=1)  # with ties
+    token = logprobs.gather(-1, torch.randint(0, 50, (6, 1)))
+    vllms = vllm_logprobs.batched_count_greater_than._torchdynamo_orig_callable  # its function, not compiled
+    assert torch.equal(_count_at_least(logprobs, token), vllms(logprobs, token))

@@ -42,6 +42,15 @@ def test_synchronous_mode_is_on_policy(tmp_path, ray_address, weight_sync):
         assert key in rows[-1], key
     assert (out / "config.yaml").exists() and (out / "plots" / "metrics.png").exists()
     assert (out / "checkpoints" / "step_000003" / "policy" / "model.safetensors").exists()
+    # Start-up, once: the driver's phases follow one another from the command to the first optimizer step.
+    startup = {key.removeprefix("time/startup/"): value for key, value in rows[0].items() if "startup" in key}
+    assert not any("startup" in key for row in rows[1:] for key in row)
+    chain = ["command", "ray", "placement", "actors", "weight_sync", "first_rollouts", "first_step"]
+    assert set(startup) == {*chain, "trainer", "engines", "trainer_init", "engine_init", "total"}
+    assert all(value >= 0 for value in startup.values())
+    assert sum(startup[phase] for phase in chain) == pytest.approx(startup["total"])
+    assert startup["trainer_init"] < startup["trainer"] <= startup["actors"] + 1e-6
+    assert startup["engine_init"] < startup["engines"] <= startup["actors"] + 1e-6
 
 
 def test_async_partial_rollout_mixes_versions_within_the_staleness_bound(tmp_path, ray_address):

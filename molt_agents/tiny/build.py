@@ -243,12 +243,9 @@ def cache_dir() -> Path:
 
 
 def _cache_key(kind: str, p: dict) -> str:
-    import tokenizers
-    import transformers
+    from importlib.metadata import version  # not `transformers.__version__`: importing transformers takes 1.4 s
 
-    blob = json.dumps(
-        [BUILDER_VERSION, kind, p, transformers.__version__, tokenizers.__version__], sort_keys=True
-    )
+    blob = json.dumps([BUILDER_VERSION, kind, p, version("transformers"), version("tokenizers")], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 

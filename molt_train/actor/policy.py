@@ -240,6 +240,7 @@ class PolicyRank:
         run's model, or a checkpoint's policy when resuming); the reference model of the KL penalty is always
         the run's model in `model_dir`. The weight sync sends floating-point weights in the engines' dtype.
         `sft`: the loss is the trained tokens' negative log-likelihood (`molt-sft`), not `algo`'s objective."""
+        began = time.perf_counter()
         train, algo, actor = config.train, config.algo, config.actor
         torch.manual_seed(config.seed)
         self.rank, self.world_size, self.data_parallel = rank, world_size, actor.data_parallel
@@ -282,10 +283,15 @@ class PolicyRank:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(
             lr_factor, warmup_steps=train.warmup_steps, total_steps=config.steps * train.updates_per_batch,
             schedule=train.lr_schedule, min_ratio=train.min_lr_ratio))
+        self._init_seconds = time.perf_counter() - began
 
     def describe(self) -> str:
         """Which model class trains, and how it is sharded."""
         return self.description
+
+    def init_seconds(self) -> float:
+        """How long this rank's constructor took (the models' load and sharding): `time/startup/trainer_init`."""
+        return self._init_seconds
 
     @contextmanager
     def _passes(self, mb: MicroBatch, shard: automodel.SequenceShard | None, measure: bool = False):

@@ -53,12 +53,13 @@ def _median(values) -> float | None:
     return statistics.median(values) if values else None
 
 
-def summary(run: dict) -> dict:
-    """One run's figures: loop and process wall clock, per-step medians, reward at the start and the end."""
+def summary(run: dict, warmup: int = WARMUP_STEPS) -> dict:
+    """One run's figures: loop and process wall clock, per-step medians after the first `warmup` steps, reward
+    at the start and the end."""
     rows = steps(run)
     elapsed = [row["elapsed"] for row in rows]
     durations = [now - before for before, now in zip([0.0] + elapsed, elapsed)]
-    settled = slice(WARMUP_STEPS, None) if len(rows) > WARMUP_STEPS else slice(None)
+    settled = slice(warmup, None) if len(rows) > warmup else slice(None)
     rewards = [row["reward"] for row in rows]
     return {"wall": elapsed[-1], "process": run["process_seconds"], "s_per_step": _median(durations[settled]),
             **{key: _median(row[key] for row in rows[settled]) for key in ("rollout", "train", "sync")},

@@ -47,21 +47,25 @@ import report  # noqa: E402
 import workload  # noqa: E402
 
 
-def trl_command(model: Path, name: str, seed: int, steps: int, run_dir: Path) -> list[str]:
+def trl_command(model: Path, name: str, seed: int, steps: int, run_dir: Path, max_tokens: int | None = None,
+                groups_per_step: int = workload.GROUPS_PER_STEP) -> list[str]:
     return [str(TRL_PYTHON), str(BENCH / "trl_run.py"), "--model", str(model), "--workload", name,
-            "--seed", str(seed), "--steps", str(steps), "--out", str(run_dir / "steps.jsonl")]
+            "--seed", str(seed), "--steps", str(steps), "--out", str(run_dir / "steps.jsonl"),
+            "--max-tokens", str(max_tokens or workload.WORKLOADS[name]["max_tokens"]),
+            "--groups-per-step", str(groups_per_step)]
 
 
 def molt_command(model: Path, name: str | None, seed: int, steps: int, run_dir: Path,
                  env: str = "bench/addition.py:Addition", max_tokens: int | None = None,
-                 lr: float = workload.LR) -> list[str]:
+                 lr: float = workload.LR, groups_per_step: int = workload.GROUPS_PER_STEP) -> list[str]:
     """molt-train on the run's settings (bench/workload.py); `env`, `max_tokens` (default: the workload
-    `name`'s) and `lr` for the workloads of other scripts (bench/agentic.py)."""
+    `name`'s), `lr` and `groups_per_step` for the workloads of other scripts (bench/agentic.py,
+    bench/scaling.py)."""
     return [str(MOLT_TRAIN), "--env", env, "--model", str(model), "--steps", str(steps),
             "--seed", str(seed), "--out", str(run_dir),
             "--rollout.max_tokens", str(max_tokens or workload.WORKLOADS[name]["max_tokens"]),
             "--rollout.group_size", str(workload.GROUP_SIZE),
-            "--rollout.groups_per_step", str(workload.GROUPS_PER_STEP),
+            "--rollout.groups_per_step", str(groups_per_step),
             "--rollout.temperature", str(workload.TEMPERATURE),
             "--train.lr", str(lr), "--train.lr_schedule", "constant", "--train.weight_decay", "0",
             "--train.grad_clip", "1.0",
@@ -70,8 +74,8 @@ def molt_command(model: Path, name: str | None, seed: int, steps: int, run_dir: 
             "--ckpt.every", "0", "--log.tensorboard", "false"]
 
 
-def molt_sync_command(model: Path, name: str, seed: int, steps: int, run_dir: Path) -> list[str]:
-    return molt_command(model, name, seed, steps, run_dir) + ["--train.async_queue_size", "0"]
+def molt_sync_command(model: Path, name: str, seed: int, steps: int, run_dir: Path, **settings) -> list[str]:
+    return molt_command(model, name, seed, steps, run_dir, **settings) + ["--train.async_queue_size", "0"]
 
 
 def molt_lora_command(model: Path, name: str, seed: int, steps: int, run_dir: Path) -> list[str]:

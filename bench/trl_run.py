@@ -22,7 +22,8 @@ The run is Molt's (bench/run.py), in TRL's names:
 Each JSON line: step; elapsed, seconds since train() was called; reward, the step's mean; generate, the
 step's seconds in TRL's generate-and-score (sampling, decoding, rewards, advantages); train, the rest of
 the step (loss, backward, optimizer step, logging; at step 1 also train()'s setup); completions, the
-completions generated; groups, the prompt groups they came from.
+completions generated; groups, the prompt groups they came from; reply_tokens, the completions' mean length
+(TRL's completions/mean_length).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class StepLog(TrainerCallback):
     """One JSON line per optimizer step (logging_steps=1 logs every step) into `path`; `LOGGED` adds TRL's
     logged values to it (record key -> TRL's log key)."""
 
-    LOGGED: dict[str, str] = {}
+    LOGGED: dict[str, str] = {"reply_tokens": "completions/mean_length"}
 
     def __init__(self, trainer: TimedGRPOTrainer, path: Path):
         self.trainer = trainer
@@ -156,12 +157,17 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts, sampling and initialisation")
     parser.add_argument("--steps", type=int, required=True, help="optimizer steps")
     parser.add_argument("--out", required=True, type=Path, help="JSON lines, one per optimizer step")
+    parser.add_argument("--groups-per-step", type=int, default=workload.GROUPS_PER_STEP,
+                        help="prompt groups per optimizer step (bench/scaling.py varies it)")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="most new tokens a reply may take (default: the workload's)")
     args = parser.parse_args()
 
     config = grpo_config(args.out, args.seed, args.steps,
-                         max_completion_length=workload.WORKLOADS[args.workload]["max_tokens"])
+                         max_completion_length=args.max_tokens or workload.WORKLOADS[args.workload]["max_tokens"],
+                         per_device_train_batch_size=args.groups_per_step * workload.GROUP_SIZE)
     trainer = TimedGRPOTrainer(model=args.model, reward_funcs=addition_reward, args=config,
-                               train_dataset=dataset(args.seed, args.steps * workload.GROUPS_PER_STEP))
+                               train_dataset=dataset(args.seed, args.steps * args.groups_per_step))
     train(trainer, args.out)
 
 

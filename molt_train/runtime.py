@@ -74,8 +74,8 @@ class Runtime:
     @classmethod
     async def start(cls, config, model_dir: str, resume_from, state: dict, console, sft: bool = False) -> Runtime:
         """Start Ray, the rollout workers and the trainer (`sft`: on the supervised loss, for `molt-sft`);
-        `console.phase` reports each step of start-up, and `console.startup` gets the phases' seconds. A component that fails to start raises `StartupError`
-        naming it and the cause."""
+        `console.phase` reports each step of start-up, and `console.startup` gets the phases' seconds. A
+        component that fails to start raises `StartupError` naming it and the cause."""
         self = cls()
         self.config, self.version, self.report = config, state["version"], console.phase
         phase, startup = console.phase, console.startup

@@ -111,6 +111,36 @@ def test_tiny_vlm_warm_start_taught_it_to_look():
     assert sum(a == i for i, a in enumerate(answers)) >= 8, answers
 
 
+def test_tiny_chat_answers_a_choice_with_an_offered_word_and_anything_else_with_a_digit():
+    """The chat model's two reply formats: a line that offers words ("yes or no") gets one of them, each
+    near chance (the warm start draws it at random), and a line without "or" a digit, each asked digit
+    near chance too; neither depends on what the line asks."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from molt_agents.tiny import tiny_model
+
+    directory = tiny_model("chat")
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+
+    def first_token(line):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": line}], add_generation_prompt=True,
+                                            return_dict=True, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            return torch.softmax(model(ids).logits[0, -1], -1)
+
+    digits = tokenizer.convert_tokens_to_ids([str(d) for d in range(10)])
+    for asked in range(10):
+        p = first_token(f"Repeat the digit {asked}.")
+        assert p[digits].sum() > 0.95 and 0.03 < p[digits[asked]] < 0.3, (asked, p[digits])
+    for line, offered in [("Is 7 even? Answer yes or no.", ["yes", "no"]),
+                          ("Which way now: left, right or up?", ["left", "right", "up"]),
+                          ("Is the answer true or false?", ["true", "false"])]:
+        p = first_token(line)[tokenizer.convert_tokens_to_ids([f"\u0120{word}" for word in offered])]
+        assert p.sum() > 0.6 and p.min() > 0.03, (line, p)
+
+
 def test_chat_template_round_trips_tools_and_tool_calls(dense_dir):
     from transformers import AutoTokenizer
 

@@ -35,10 +35,11 @@ IMAGE_TOKENS = ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<
                 *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)))
 
 # Bump when the builder's output changes for the same parameters.
-BUILDER_VERSION = 11
+BUILDER_VERSION = 12
 
 KINDS = ("dense", "moe", "chat", "agent", "vlm", "reward")
-# chat: dense plus a short warm start by molt-sft (reply with a digit, end the turn; see warm_start.py).
+# chat: dense plus a short warm start by molt-sft (reply with a digit, or with one of the words a line offers, and
+#       end the turn; see warm_start.py).
 # reward: dense with a one-output score head (a sequence classifier, as reward models are), trained offline to
 #         prefer replies that start with the digit the user asked for (see reward.py); transformers only.
 # agent: chat whose warm start also has conversations of several turns and tool calls (see warm_start.py).

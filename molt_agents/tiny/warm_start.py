@@ -6,7 +6,17 @@ prompts from the tokenizer corpus: the assistant answers with a single random
 digit and ends the turn. The digit is independent of the prompt, so no task
 is learned here; a task's mapping is left to RL.
 
-That habit also teaches a model to ignore what it reads, images included: a
+The chat model learns a second format beside it: a line that offers words
+("Is it red or blue?", "up, down or left") is answered with one of the
+offered words, drawn at random (`_choice_turn`), and a line without "or" with
+a digit. The offered words come from `ANSWER_WORDS`, two dozen common ones
+that are each one token after a space, few enough for the 64-wide model to
+learn to copy; the reply is that token (" red"). So a task that asks a
+question and offers its answers ("Is 7 even? Answer yes or no.") starts at
+chance among them, and RL learns the mapping, while the digit tasks start
+where they did: the reply's kind follows the line, its content never does.
+
+The digit habit also teaches a model to ignore what it reads, images included: a
 vision-language model warm-started on text alone gives the same answer for
 every picture (its digit probabilities move by about 1e-4 between pictures),
 and RL then has no gradient toward using the image. So half the
@@ -43,6 +53,7 @@ from __future__ import annotations
 import base64
 import io
 import random
+import re
 import string
 
 from molt_agents.tiny.tokenizer import _WORDS, _corpus_lines
@@ -51,7 +62,7 @@ PALETTE = [(0, 0, 0), (255, 255, 255), (128, 128, 128), (255, 140, 0), (0, 128, 
            (128, 0, 0), (0, 0, 128), (128, 128, 0), (255, 192, 203), (0, 255, 255)]
 
 # Per kind, molt-sft's steps; each step is BATCH conversations, each conversation trained once.
-WARM_START = {"chat": 150, "agent": 600, "vlm": 300}
+WARM_START = {"chat": 1000, "agent": 600, "vlm": 300}
 BATCH = 32
 LR = 3e-3
 
@@ -63,6 +74,8 @@ def records(kind: str, count: int, seed: int = 0) -> list[dict]:
     # Prompts without digits: the model learns the reply format, not to ignore digits it reads.
     prompts = [line for line in _corpus_lines(seed + 1, 4000)
                if "\n" not in line and not any(c.isdigit() for c in line)][:1000]
+    if kind == "chat":  # a digit answers lines without "or", the cue of a choice (`_choice_turn`)
+        prompts = [line for line in prompts if not re.search(r"\bor\b", line, re.IGNORECASE)]
     out = []
     for i in range(count):
         if kind == "agent":
@@ -70,10 +83,34 @@ def records(kind: str, count: int, seed: int = 0) -> list[dict]:
             out.append({"messages": messages, **({"tools": tools} if tools else {})})
         elif kind == "vlm" and i % 2:
             out.append({"messages": _picture_turn(rng, prompts)})
+        elif kind == "chat" and rng.random() < CHOICES:
+            out.append({"messages": _choice_turn(rng)})
         else:
             out.append({"messages": [{"role": "user", "content": rng.choice(prompts)},
                                      {"role": "assistant", "content": str(rng.randrange(10))}]})
     return out
+
+
+# --------------------------------------------------------------------------
+# Choices: a line that offers words ("red or blue", "up, down or left") is answered with one of them
+
+CHOICES = 1 / 2
+CHOICE_WORDS = [word for word in _WORDS if word != "or"]
+# The words a choice offers: few enough for a 64-wide model to copy (one token each, after a space).
+ANSWER_WORDS = ("yes no true false left right up down red green blue small large higher lower correct wrong "
+                "good bad first second third next last").split()
+
+
+def _choice_turn(rng: random.Random) -> list[dict]:
+    """A line of random words that offers two or three others and one of those, at random, as the reply
+    (after a space: the word's own token, as the line holds it). The reply's kind follows the line, never
+    its content."""
+    options = rng.sample(ANSWER_WORDS, rng.choice((2, 2, 3)))
+    offer = " or ".join(options) if len(options) == 2 else f"{options[0]}, {options[1]} or {options[2]}"
+    before, after = _words(rng, 0, 6, CHOICE_WORDS), _words(rng, 0, 3, CHOICE_WORDS)
+    line = " ".join(part for part in (before, offer, after) if part)
+    line = line[0].upper() + line[1:] + rng.choice("?.")
+    return [{"role": "user", "content": line}, {"role": "assistant", "content": " " + rng.choice(options)}]
 
 
 # --------------------------------------------------------------------------
@@ -137,8 +174,8 @@ def _user_line(rng: random.Random, prompts: list[str], digit: int | None = None)
     return (line if digit is None else _insert(rng, line, digit)) + end
 
 
-def _words(rng: random.Random, least: int, most: int) -> str:
-    return " ".join(rng.choice(_WORDS) for _ in range(rng.randint(least, most)))
+def _words(rng: random.Random, least: int, most: int, vocabulary: list[str] = _WORDS) -> str:
+    return " ".join(rng.choice(vocabulary) for _ in range(rng.randint(least, most)))
 
 
 def _insert(rng: random.Random, line: str, word) -> str:

@@ -73,13 +73,12 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config, dict]:
         before = resume.run_config(parser, run_dir)
         parser.set_defaults(before)
         namespace = parser.parse_args(argv)
-        namespace.pop("config", None)
         changes = resume.changes(before, dict(namespace.items()))
     elif any(a.startswith("--print_config") for a in argv):
         parser.parse_args(argv)
     namespace.pop("config", None)
     config = parser.instantiate(namespace)
-    return Config(**{k: v for k, v in vars(config).items()}), changes
+    return Config(**vars(config)), changes
 
 
 def dump(config: Config) -> str:

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from molt_train.config import Config, ConfigError
+from molt_train.plan.shape import expert_count, text_config
 
 
 def model_config(model_dir: str | Path) -> dict:
@@ -29,12 +30,6 @@ def _text_field(model: dict, name: str):
 def context_limit(model: dict) -> int | None:
     """The longest sequence the model's positions cover, if its config says."""
     return _text_field(model, "max_position_embeddings")
-
-
-def experts(model: dict) -> int:
-    """The model's routed experts per MoE layer; 0 for a dense model."""
-    return next((_text_field(model, key) for key in ("num_experts", "num_local_experts", "n_routed_experts")
-                 if _text_field(model, key)), 0)
 
 
 def resolve_from_model(config: Config, model_dir: str | Path, local: bool = True) -> None:
@@ -58,7 +53,7 @@ def resolve_from_model(config: Config, model_dir: str | Path, local: bool = True
     if heads and heads % ranks:
         raise ConfigError(f"--engine.tensor_parallel_size: {ranks} ranks cannot split the model's {heads} "
                           "attention heads evenly; use a divisor of the head count")
-    if engine.expert_parallel and not experts(model):
+    if engine.expert_parallel and not expert_count(text_config(model)):
         raise ConfigError(f"--engine.expert_parallel: the model in {model_dir} is dense (no experts in its "
                           "config.json)")
     _fit_actor_parallel(config, model, model_dir)
@@ -88,7 +83,7 @@ def _fit_actor_parallel(config: Config, model: dict, model_dir: str | Path) -> N
                               f"{heads} heads ({field} in {model_dir}/config.json); use a divisor of it")
     if actor.expert_parallel == 1:
         return
-    count = experts(model)
+    count = expert_count(text_config(model))
     if not count:
         raise ConfigError(f"--actor.expert_parallel: the model in {model_dir} is dense (no experts in its "
                           "config.json); use 1")

@@ -43,7 +43,7 @@ def run_config(parser, run_dir: Path) -> dict:
 def changes(before: dict, now: dict) -> dict:
     """`{flag: [before, now]}` for the flags that differ; a ConfigError for one that may not."""
     changed = {flag: [before.get(flag), value] for flag, value in now.items()
-               if flag not in ("out", "resume") and before.get(flag) != value}
+               if flag not in ("out", "resume", "config") and before.get(flag) != value}
     refused = [flag for flag in changed if not may_change(flag)]
     if refused:
         shown = ", ".join(f"--{flag} {changed[flag][0]!r} -> {changed[flag][1]!r}" for flag in refused)

@@ -71,8 +71,7 @@ def checkpoint_blocks(model: nn.Module, every: int = 1) -> list[nn.Module]:
     return [wrappers.get(id(block), block) for block in blocks]
 
 
-def shard_model(model: nn.Module, mesh=None, reshard_after_forward: bool = True,
-                param_dtype: torch.dtype = torch.float32, checkpoint_every: int = 0,
+def shard_model(model: nn.Module, param_dtype: torch.dtype = torch.float32, checkpoint_every: int = 0,
                 offload: bool = False) -> nn.Module:
     """Apply `fully_shard` to every decoder block, then to the root; in place.
 
@@ -81,7 +80,7 @@ def shard_model(model: nn.Module, mesh=None, reshard_after_forward: bool = True,
     activations in backward (0: none). `offload` keeps the shards on the host."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
+    options = {"reshard_after_forward": True,  # the root too (torch's default keeps the root's gathered)
                "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
                "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload
                else OffloadPolicy()}

@@ -30,10 +30,6 @@ import torch
 
 from molt_agents.hf_model import router_modules
 
-__all__ = ["RoutingReplay", "agreement", "automodel_gates", "freeze_routers", "moe_routers", "replayed_gates",
-           "router_modules"]
-
-
 def automodel_gates(model: torch.nn.Module) -> list[torch.nn.Module]:
     """NeMo AutoModel's MoE gates (its native MoE models), in layer order (empty for other models)."""
     return [m for m in model.modules() if type(m).__name__ == "Gate" and hasattr(m, "router_replay")]

@@ -21,16 +21,8 @@ def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages
     `-dual_clip * A`. `weights` are importance weights (detached) on each token.
     Returns (loss summed over masked tokens, fraction of masked tokens clipped).
     """
-    ratio = torch.exp(logprobs - old_logprobs)
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
-    loss = torch.maximum(unclipped, clipped)
-    if dual_clip is not None:
-        loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * dual_clip), loss)
-    if weights is not None:
-        loss = loss * weights
-    was_clipped = ((clipped > unclipped) & mask.bool()).float().sum() / mask.sum().clamp(min=1)
-    return (loss * mask).sum(), was_clipped
+    return _clipped_surrogate(torch.exp(logprobs - old_logprobs), advantages, mask, clip_low, clip_high, dual_clip,
+                              weights)
 
 
 def gspo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -46,9 +38,17 @@ def gspo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     delta = ((logprobs - old_logprobs) * mask)
     mean_delta = torch.zeros_like(count).index_add_(0, sequence, delta) / count.clamp(min=1)
     seq_ratio = torch.exp(mean_delta[sequence].detach() + logprobs - logprobs.detach())
-    unclipped = -advantages * seq_ratio
-    clipped = -advantages * seq_ratio.clamp(1 - clip_low, 1 + clip_high)
+    return _clipped_surrogate(seq_ratio, advantages, mask, clip_low, clip_high, None, weights)
+
+
+def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, clip_low: float,
+                       clip_high: float, dual_clip: float | None, weights: torch.Tensor | None):
+    """The clipped surrogate both losses share, from their ratio: (sum over masked tokens, fraction clipped)."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
     loss = torch.maximum(unclipped, clipped)
+    if dual_clip is not None:
+        loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * dual_clip), loss)
     if weights is not None:
         loss = loss * weights
     was_clipped = ((clipped > unclipped) & mask.bool()).float().sum() / mask.sum().clamp(min=1)

@@ -64,19 +64,24 @@ def shape(config: dict) -> Shape:
     text = text_config(config)
     sizes = _sizes(text)
     if config.get("model_type") in FORMULA_TYPES and "vision_config" not in config:
-        return Shape(**sizes, **_formula_counts(text))
+        return Shape(**sizes, **_formula_counts(text, sizes))
     if config.get("model_type") in ("qwen2_vl", "qwen2_5_vl"):  # a Qwen2 language model beside a ViT
-        counts = _formula_counts({**text, "model_type": "qwen2"})
+        counts = _formula_counts({**text, "model_type": "qwen2"}, sizes)
         vision = _qwen_vit(config["vision_config"], config.get("model_type"))
         return Shape(**sizes, **{**counts, "params": counts["params"] + vision, "vision_params": vision,
                                  "root_params": counts["root_params"] + vision})
     return Shape(**sizes, **_meta_counts(config), counted_by="meta")
 
 
+def expert_count(text: dict) -> int:
+    """Routed experts per MoE layer of a language model's config fields; 0 for a dense model."""
+    return next((text[key] for key in ("num_experts", "num_local_experts", "n_routed_experts") if text.get(key)), 0)
+
+
 def _sizes(text: dict) -> dict:
     heads = text["num_attention_heads"]
     hidden = text["hidden_size"]
-    experts = next((text[key] for key in ("num_experts", "num_local_experts", "n_routed_experts") if text.get(key)), 0)
+    experts = expert_count(text)
     mla = "kv_lora_rank" in text and text.get("kv_lora_rank")
     if mla:
         head_dim = text["qk_nope_head_dim"] + text["qk_rope_head_dim"]
@@ -107,7 +112,7 @@ def _is_moe_layer(text: dict, index: int) -> bool:
 
 # ----------------------------------------------------------------------------- by formula
 
-def _attention(text: dict) -> int:
+def _attention(text: dict, sizes: dict) -> int:
     hidden, heads = text["hidden_size"], text["num_attention_heads"]
     if text.get("kv_lora_rank"):  # multi-head latent attention
         qk = text["qk_nope_head_dim"] + text["qk_rope_head_dim"]
@@ -116,9 +121,8 @@ def _attention(text: dict) -> int:
         kv = (hidden * (kv_rank + text["qk_rope_head_dim"]) + kv_rank
               + kv_rank * heads * (text["qk_nope_head_dim"] + text["v_head_dim"]))
         return q + kv + heads * text["v_head_dim"] * hidden
-    head_dim = text.get("head_dim") or hidden // heads
-    kv_heads = text.get("num_key_value_heads") or heads
-    q, kv = heads * head_dim, kv_heads * head_dim
+    head_dim = sizes["head_dim"]
+    q, kv = heads * head_dim, sizes["kv_heads"] * head_dim
     count = hidden * (q + 2 * kv) + q * hidden
     if text.get("model_type") in QKV_BIAS or text.get("attention_bias"):
         count += q + 2 * kv + (hidden if text.get("attention_bias") else 0)
@@ -131,10 +135,9 @@ def _mlp(hidden: int, intermediate: int) -> int:
     return 3 * hidden * intermediate  # gate, up, down
 
 
-def _moe(text: dict) -> tuple[int, int]:
+def _moe(text: dict, experts: int) -> tuple[int, int]:
     """(all parameters, routed experts' parameters) of one MoE layer."""
     hidden = text["hidden_size"]
-    experts = next(text[key] for key in ("num_experts", "num_local_experts", "n_routed_experts") if text.get(key))
     routed = experts * _mlp(hidden, text["moe_intermediate_size"] if "moe_intermediate_size" in text
                             else text["intermediate_size"])
     router = hidden * experts  # (DeepSeek's score-correction bias is a buffer, not trained)
@@ -146,16 +149,14 @@ def _moe(text: dict) -> tuple[int, int]:
     return routed + router + shared, routed
 
 
-def _formula_counts(text: dict) -> dict:
-    hidden, layers, vocab = text["hidden_size"], text["num_hidden_layers"], text["vocab_size"]
-    experts = any(text.get(key) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
-    attention, norms = _attention(text), 2 * hidden
+def _formula_counts(text: dict, sizes: dict) -> dict:
+    hidden, vocab, moe_layers = text["hidden_size"], text["vocab_size"], sizes["moe_layers"]
+    attention, norms = _attention(text, sizes), 2 * hidden
     dense_block = attention + norms + _mlp(hidden, text["intermediate_size"])
-    moe_all, moe_routed = _moe(text) if experts else (0, 0)
+    moe_all, moe_routed = _moe(text, sizes["experts"]) if sizes["experts"] else (0, 0)
     moe_block = attention + norms + moe_all
-    moe_layers = sum(_is_moe_layer(text, index) for index in range(layers)) if experts else 0
     root = vocab * hidden * (1 if text.get("tie_word_embeddings") else 2) + hidden
-    params = root + (layers - moe_layers) * dense_block + moe_layers * moe_block
+    params = root + (sizes["layers"] - moe_layers) * dense_block + moe_layers * moe_block
     largest_moe = moe_layers and moe_block >= dense_block
     return dict(params=params, expert_params=moe_layers * moe_routed,
                 block_params=moe_block if largest_moe else dense_block,

@@ -13,8 +13,7 @@ from molt_env import Env
 
 
 def first_char(text: str) -> str:
-    stripped = text.strip()
-    return stripped[:1]
+    return text.strip()[:1]
 
 
 class Digit(Env):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -10,8 +11,6 @@ import torch
 def model_class(model_dir: str | Path):
     """transformers' auto class for the checkpoint in `model_dir`: image-text-to-text when its config has a
     vision tower, else causal LM."""
-    import json
-
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     path = Path(model_dir) / "config.json"
@@ -26,8 +25,6 @@ def load_model(model_dir: str | Path, dtype):
 
 def adapter_base(adapter_dir: str | Path) -> str:
     """The model a LoRA adapter directory (PEFT's format) was trained on, as its adapter_config.json names it."""
-    import json
-
     path = Path(adapter_dir) / "adapter_config.json"
     if not path.is_file():
         raise ValueError(f"{adapter_dir}: not a LoRA adapter directory (no adapter_config.json)")

@@ -363,24 +363,26 @@ class ConfigError(ValueError):
     pass
 
 
+def need(ok: bool, flag: str, why: str) -> None:
+    """A ConfigError naming `--flag` and why, unless `ok`."""
+    if not ok:
+        raise ConfigError(f"--{flag}: {why}")
+
+
 def validate(config: Config) -> None:
     """Reject values and combinations that cannot run, naming the flag."""
-    def need(ok: bool, flag: str, why: str):
-        if not ok:
-            raise ConfigError(f"--{flag}: {why}")
-
     for flag, least in (("steps", 1), ("rollout.group_size", 1), ("rollout.groups_per_step", 1),
                         ("rollout.max_tokens", 1), ("rollout.max_failed_steps", 0), ("train.async_queue_size", 0),
                         ("train.warmup_steps", 0), ("train.sync_bucket_mb", 1), ("train.updates_per_batch", 1),
                         ("actor.world_size", 1), ("algo.max_staleness", 0), ("algo.max_extra_groups", 0),
                         ("ckpt.every", 0), ("log.rollouts_every", 1), ("log.rollouts_groups", 0),
                         ("log.wandb_episodes", 0), ("engine.data_parallel_size", 1),
-                        ("engine.tensor_parallel_size", 1)):
+                        ("engine.tensor_parallel_size", 1), ("eval.episodes", 1), ("reward.batch_size", 1)):
         need(functools.reduce(getattr, flag.split("."), config) >= least, flag, f"must be >= {least}")
     need(not config.log.wandb or importlib.util.find_spec("wandb") is not None, "log.wandb",
          "the wandb package is not installed here (pip install 'molt[wandb]')")
     if config.actor.colocate:
-        _validate_colocate(config, need)
+        _validate_colocate(config)
     need(config.engine.max_model_len is None or config.engine.max_model_len >= 1, "engine.max_model_len",
          "must be >= 1")
     need(0 < config.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
@@ -395,8 +397,8 @@ def validate(config: Config) -> None:
         need(value in without_fsdp or not single_automodel_rank, f"actor.{flag}",
              f"{value} needs FSDP, which NeMo AutoModel does not apply to a single rank: use "
              "--actor.backend fsdp2 or --actor.world_size >= 2")
-    _validate_actor_parallel(config.actor, need)
-    _validate_lora(config, need)
+    _validate_actor_parallel(config.actor)
+    _validate_lora(config)
     need(config.algo.is_low <= config.algo.is_high, "algo.is_low", "must be <= --algo.is_high")
     need(not config.algo.max_extra_groups or config.algo.filter_zero_variance, "algo.max_extra_groups",
          "replaces the groups --algo.filter_zero_variance drops: set it true")
@@ -406,11 +408,14 @@ def validate(config: Config) -> None:
          f"must be >= --algo.overlong_buffer {algo.overlong_buffer}: the generated tokens of an episode at which "
          "the penalty is whole (DAPO: the maximum response length)")
     need(algo.overlong_penalty >= 0, "algo.overlong_penalty", "must be >= 0 (it is subtracted)")
-    need(config.reward.batch_size >= 1, "reward.batch_size", "must be >= 1")
     need(config.reward.model is not None or config.reward.keep_env, "reward.keep_env",
          "false leaves no reward: give --reward.model")
-    need(config.eval.every >= 0, "eval.every", "must be >= 0 (0: not during training)")
-    validate_eval(config.eval, need)
+    evaluation = config.eval
+    need(evaluation.every >= 0, "eval.every", "must be >= 0 (0: not during training)")
+    need(evaluation.samples >= 1, "eval.samples", "must be >= 1 (the k of pass@k)")
+    need(evaluation.temperature >= 0, "eval.temperature", "must be >= 0 (0: greedy)")
+    need(evaluation.samples == 1 or evaluation.temperature > 0, "eval.samples",
+         f"{evaluation.samples} greedy samples are all the same: set --eval.temperature above 0 for pass@k")
     engine = config.engine
     need(0 < engine.gpu_memory_utilization <= 1, "engine.gpu_memory_utilization", "must be in (0, 1]")
     if engine.name == "hf":
@@ -427,7 +432,7 @@ def validate(config: Config) -> None:
     need(not (config.resume and config.out is None), "resume", "needs --out RUN_DIR of the run to continue")
 
 
-def _validate_lora(config: Config, need) -> None:
+def _validate_lora(config: Config) -> None:
     lora = config.actor.lora
     need(0 <= lora.rank <= LORA_MAX_RANK, "actor.lora.rank", f"must be in [0, {LORA_MAX_RANK}] (0: full weights; "
          f"{LORA_MAX_RANK} is the most vLLM serves)")
@@ -442,16 +447,7 @@ def _validate_lora(config: Config, need) -> None:
          "needs --engine.name vllm")
 
 
-def validate_eval(evaluation: EvalConfig, need, prefix: str = "eval.") -> None:
-    """The evaluation's own flags (also molt-eval's, which spells them without `prefix`)."""
-    need(evaluation.episodes >= 1, f"{prefix}episodes", "must be >= 1")
-    need(evaluation.samples >= 1, f"{prefix}samples", "must be >= 1 (the k of pass@k)")
-    need(evaluation.temperature >= 0, f"{prefix}temperature", "must be >= 0 (0: greedy)")
-    need(evaluation.samples == 1 or evaluation.temperature > 0, f"{prefix}samples",
-         f"{evaluation.samples} greedy samples are all the same: set --{prefix}temperature above 0 for pass@k")
-
-
-def _validate_actor_parallel(actor: ActorConfig, need) -> None:
+def _validate_actor_parallel(actor: ActorConfig) -> None:
     """The actor's model-parallel sizes against the backend and the world size, laid out as AutoModel's
     device mesh does: world_size = data-parallel x context_parallel x tensor_parallel, and the expert
     ranks fold into all of them (expert_parallel divides world_size)."""
@@ -469,7 +465,7 @@ def _validate_actor_parallel(actor: ActorConfig, need) -> None:
          "--actor.tensor_parallel > 1")
 
 
-def _validate_colocate(config: Config, need) -> None:
+def _validate_colocate(config: Config) -> None:
     """Colocated engines sleep while the trainer steps: nothing may generate then, and the weights cannot
     travel on NCCL between two processes of one GPU (NCCL refuses a duplicate GPU)."""
     flag = "actor.colocate"

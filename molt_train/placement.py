@@ -100,9 +100,7 @@ def turn_threads(config: Config, cpus: int, gpus: bool) -> tuple[int | None, int
 
 def node_order(bundle_nodes: list[str]) -> list[int]:
     """Bundle indices sorted so that bundles on one node are consecutive, nodes in order of first use."""
-    first = {}
-    for node in bundle_nodes:
-        first.setdefault(node, len(first))
+    first = {node: number for number, node in enumerate(dict.fromkeys(bundle_nodes))}
     return sorted(range(len(bundle_nodes)), key=lambda index: (first[bundle_nodes[index]], index))
 
 

@@ -61,9 +61,7 @@ async def _instance(worker, restart_timeout: float = 600.0) -> str:
 
 def _describe(nodes: dict[str, list[str]]) -> str:
     """`placement.nodes()` in one line: which node (numbered in order of first use) each process is on."""
-    numbers: dict[str, int] = {}
-    for node in nodes["engines"] + nodes["trainer"]:
-        numbers.setdefault(node, len(numbers))
+    numbers = {node: number for number, node in enumerate(dict.fromkeys(nodes["engines"] + nodes["trainer"]))}
     def where(ids):
         return ",".join(str(numbers[node]) for node in ids) or "-"
     return (f"engines on node {where(nodes['engines'])}, trainer ranks on node {where(nodes['trainer'])} "
@@ -144,9 +142,8 @@ class Runtime:
         return actor
 
     async def _open_channel(self) -> None:
-        rank0 = self.trainer.ranks[0]
-        host, port = await rank0.channel_endpoint.remote()
-        metas = await rank0.weight_meta.remote()
+        host, port = await trainer_rendezvous(self.placement)
+        metas = await self.trainer.ranks[0].weight_meta.remote()
         size, bucket_bytes = 1 + len(self.workers), self.config.train.sync_bucket_mb << 20
         await asyncio.gather(self.trainer.open_channel(host, port, size, bucket_bytes),
                              *(worker.open_channel.remote(host, port, 1 + i, size, metas, bucket_bytes)

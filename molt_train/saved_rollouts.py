@@ -49,12 +49,17 @@ def read(path: Path) -> Iterator[dict]:
     """The records of a file of saved rollouts, up to the last whole line (a half-written end is skipped)."""
     with gzip.open(path, "rt") as lines:
         try:
-            for line in lines:
-                if not line.endswith("\n"):
-                    return
-                yield json.loads(line)
+            yield from _whole_lines(lines)
         except (EOFError, gzip.BadGzipFile, zlib.error, json.JSONDecodeError):
             return
+
+
+def _whole_lines(lines) -> Iterator[dict]:
+    """Each line's JSON up to the first that is not whole (a writer's half-written end)."""
+    for line in lines:
+        if not line.endswith("\n"):
+            return
+        yield json.loads(line)
 
 
 def read_member(path: Path, offset: int, size: int) -> list[dict]:
@@ -125,13 +130,8 @@ def load_index(directory: Path) -> list[dict]:
     path = directory / INDEX
     if not path.exists():
         return scan(directory)
-    entries = []
     with path.open() as lines:
-        for line in lines:
-            if not line.endswith("\n"):
-                break
-            entries.append(json.loads(line))
-    return entries
+        return list(_whole_lines(lines))
 
 
 class RolloutLog:
@@ -210,11 +210,7 @@ def data_url(image) -> str:
 
 
 def _member(records: list[dict]) -> bytes:
-    return gzip.compress("".join(_line(record) for record in records).encode(), mtime=0)
-
-
-def _line(record: dict) -> str:
-    return json.dumps(record, default=_plain) + "\n"
+    return gzip.compress("".join(json.dumps(record, default=_plain) + "\n" for record in records).encode(), mtime=0)
 
 
 def _plain(value):

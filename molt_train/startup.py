@@ -20,14 +20,9 @@ import time
 import psutil
 
 
-def process_started() -> float:
-    """When this process started (the command, for the driver), as `time.time()`."""
-    return psutil.Process().create_time()
-
-
 class Startup:
     def __init__(self):
-        self.began = process_started()
+        self.began = psutil.Process().create_time()  # when this process (the command, for the driver) started
         self.last = self.began
         self.seconds: dict[str, float] = {}
 

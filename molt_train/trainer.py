@@ -23,23 +23,19 @@ from molt_train.placement import Placement
 from molt_train.weight_sync import free_endpoint
 
 
-async def rendezvous(placement: Placement) -> str:
-    """host:port for the trainer's process group: a free port on the node of rank 0's slot (found by a task
-    there, unless that node is this process's own)."""
+async def rendezvous(placement: Placement) -> tuple[str, int]:
+    """A host and a free port on the node of rank 0's slot (found by a task there, unless that node is this
+    process's own): for the trainer's process group, and for the weight-sync channel."""
     if placement.nodes()["trainer"][0] == ray.get_runtime_context().get_node_id():
-        host, port = free_endpoint()
-    else:
-        host, port = await ray.remote(free_endpoint).options(**placement.trainer_rank(0).options()).remote()
-    return f"{host}:{port}"
+        return free_endpoint()
+    return await ray.remote(free_endpoint).options(**placement.trainer_rank(0).options()).remote()
 
 
 class TrainerGroup:
-    def __init__(self, model_dir: str, start_dir: str, config: Config, placement: Placement, rendezvous: str,
-                 sft: bool = False):
-        """Ranks that train from the weights in `start_dir` (the model, or a checkpoint's policy when
-        resuming), with the run's model in `model_dir` as the KL reference; each rank in its `placement`
-        slot, meeting the others at `rendezvous` (host:port on rank 0's node, see `rendezvous`); with
-        `sft`, on the negative log-likelihood of the trained tokens (`molt-sft`)."""
+    def __init__(self, model_dir: str, start_dir: str, config: Config, placement: Placement,
+                 rendezvous: tuple[str, int], sft: bool = False):
+        """The run's `PolicyRank`s (`model_dir`, `start_dir` and `sft` as there), each in its `placement` slot,
+        meeting the others at `rendezvous` (a host and port on rank 0's node, see `rendezvous`)."""
         self.world_size = config.actor.world_size
         # Ranks in a row share one model replica (tensor / context parallel) and its micro-batches.
         self.data_parallel = config.actor.data_parallel
@@ -50,9 +46,9 @@ class TrainerGroup:
                             if config.train.share_prefix else 0)
         # Packed grids of rows for the fsdp2 backend; one row for AutoModel (its own classes, context parallel).
         self.rows = config.actor.backend == "fsdp2"
-        actor = ray.remote(PolicyRank)
+        actor, (host, port) = ray.remote(PolicyRank), rendezvous
         self.ranks = [actor.options(**placement.trainer_rank(rank).options()).remote(
-                          model_dir, start_dir, rank, self.world_size, f"tcp://{rendezvous}", config, sft)
+                          model_dir, start_dir, rank, self.world_size, f"tcp://{host}:{port}", config, sft)
                       for rank in range(self.world_size)]
 
     def _shares(self, items: list[TrainItem]) -> list:

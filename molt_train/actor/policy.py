@@ -20,6 +20,7 @@ their shards from it (`_load`, `_shard`).
 from __future__ import annotations
 
 import math
+import random
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, fields, replace
@@ -27,6 +28,7 @@ from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy
 import torch
 
 from molt_agents.hf_model import as_model_input, load_model
@@ -38,7 +40,7 @@ from molt_train.algorithms.objective import Objective, objective
 from molt_train.algorithms.off_policy import mismatch
 from molt_train.config import ActorConfig, Config
 from molt_train.packing import MicroBatch
-from molt_train.weight_sync import Channel, free_endpoint, plan_buckets, sync_dtype, sync_metas, tensor_meta
+from molt_train.weight_sync import Channel, plan_buckets, sync_dtype, sync_metas, tensor_meta
 
 
 class Prepared(NamedTuple):
@@ -135,37 +137,29 @@ def token_logprobs(model, mb: MicroBatch, with_entropy: bool = False, chunk_toke
     returns the logits of every position."""
     softcapped = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
     per_token = chunk_tokens > 0 or not (vocab_parallel or softcapped)
-    if shard:
-        targets = shard.targets  # the token each position of this rank's piece predicts
-        head = _per_token_head(model, targets, None, chunk_tokens, with_entropy) if per_token else nullcontext()
-        with head:
-            out = automodel.native_logits(model, shard.input_ids, shard.position_ids) if automodel.is_native(
-                model) else model(input_ids=shard.input_ids.view(1, -1), position_ids=shard.position_ids.view(1, -1),
-                                  use_cache=False).logits
-        out = _full_tensor(out)
-        columns = out[0] if per_token else _per_token(out.flatten(0, -2)[:len(targets)], targets, with_entropy)
-        columns = automodel.gather_sequence(columns, shard)[:len(mb.input_ids) - 1]
-        trained = (mb.mask[1:] > 0) & (mb.position_ids[1:] != 0)  # (a sequence's first token has no prediction)
-        logprobs = torch.cat([columns.new_zeros(1), torch.where(trained, columns[:, 0], 0.0)])
-        entropy = (torch.cat([columns.new_zeros(1), torch.where(trained, columns[:, 1], 0.0)]) if with_entropy
-                   else None)
-        return logprobs, entropy
     predecessor = mb.predecessor if mb.predecessor is not None else _predecessors(mb.position_ids)
     tokens = torch.nonzero((mb.mask > 0) & (predecessor >= 0))[:, 0]  # the trained tokens
-    sources, targets = predecessor[tokens], mb.input_ids[tokens]  # the positions that predict them, and what
+    if shard:  # this rank's piece of the row: every position, predicting the token after it
+        input_ids, position_ids, targets = shard.input_ids, shard.position_ids, shard.targets
+        sources = slice(len(targets))
+    else:  # the positions that predict the trained tokens, and what they predict
+        input_ids, position_ids = mb.input_ids, mb.position_ids
+        sources, targets = predecessor[tokens], mb.input_ids[tokens]
     head = _per_token_head(model, targets, sources, chunk_tokens, with_entropy) if per_token else nullcontext()
     with head:
         if automodel.is_native(model):
-            out = automodel.native_logits(model, mb.input_ids, mb.position_ids)
+            out = automodel.native_logits(model, input_ids, position_ids)
         else:
             images = {name: as_model_input(tensor, model) for name, tensor in (mb.images or {}).items()}
-            rows = mb.rows if not images else 1  # the packed grid, else one row
+            rows = 1 if images or shard else mb.rows  # the packed grid, else one row
             masks = {} if mb.branch is None else {"attention_mask": tree_mask(
                 mb.position_ids.view(rows, -1), mb.branch.view(rows, -1), model)}
-            out = model(input_ids=mb.input_ids.view(rows, -1), position_ids=mb.position_ids.view(rows, -1),
+            out = model(input_ids=input_ids.view(rows, -1), position_ids=position_ids.view(rows, -1),
                         use_cache=False, **masks, **images).logits
     out = _full_tensor(out)  # tensor parallel: the logits come sharded on the vocabulary
     columns = out[0] if per_token else _per_token(out.flatten(0, -2)[sources], targets, with_entropy)
+    if shard:  # every rank's piece, whole: position p predicts token p + 1
+        columns = automodel.gather_sequence(columns, shard)[tokens - 1]
     values = columns.new_zeros(len(mb.input_ids), columns.shape[1]).index_copy(0, tokens, columns)
     return values[:, 0], values[:, 1] if with_entropy else None
 
@@ -200,12 +194,11 @@ def _per_token(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool) 
 
 
 @contextmanager
-def _per_token_head(model, targets: torch.Tensor, selected: torch.Tensor | None, chunk_tokens: int,
+def _per_token_head(model, targets: torch.Tensor, selected: torch.Tensor | slice, chunk_tokens: int,
                     with_entropy: bool):
     """Within the model's own forward (so FSDP has gathered the head's weight), its output head maps the
     hidden states [rows, positions, hidden] of the `selected` positions (`targets` [selected]: what each
-    predicts; default: the first len(targets) positions, in order) to `_per_token` values
-    [1, selected, 1 or 2], all at once or `chunk_tokens` at a time."""
+    predicts) to `_per_token` values [1, selected, 1 or 2], all at once or `chunk_tokens` at a time."""
     from torch.utils.checkpoint import checkpoint
 
     if getattr(model.config.get_text_config(), "final_logit_softcapping", None):
@@ -217,8 +210,7 @@ def _per_token_head(model, targets: torch.Tensor, selected: torch.Tensor | None,
         return _per_token(torch.nn.functional.linear(hidden, head.weight, head.bias), chunk_targets, with_entropy)
 
     def forward(hidden):  # a new tensor, not a view: FSDP hooks its backward on the root's output
-        hidden = hidden.flatten(0, -2)  # the rows of the packed grid, end to end
-        hidden = hidden[:len(targets)] if selected is None else hidden[selected]
+        hidden = hidden.flatten(0, -2)[selected]  # the rows of the packed grid, end to end
         if not chunk_tokens:
             return torch.cat([chunk(hidden, targets)[None]], dim=1)
         return torch.cat([checkpoint(chunk, hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens],
@@ -516,9 +508,6 @@ class PolicyRank:
                 self.sources[name] = key
         return sync_metas(tensor_meta(metas), self.engine_dtype)
 
-    def channel_endpoint(self) -> tuple[str, int]:
-        return free_endpoint()
-
     def open_channel(self, host: str, port: int, size: int, bucket_bytes: int) -> None:
         """Rank 0 joins the broadcast channel to the workers; every rank learns the bucket plan."""
         self.buckets = plan_buckets(self.weight_meta(), bucket_bytes)
@@ -595,10 +584,6 @@ def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 def rng_state() -> dict:
     """Every random generator a training step may draw from (dropout, a user's sampling in the loss)."""
-    import random
-
-    import numpy
-
     state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy.random.get_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -606,10 +591,6 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    import random
-
-    import numpy
-
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     numpy.random.set_state(state["numpy"])

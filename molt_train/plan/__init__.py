@@ -28,7 +28,6 @@ from molt_train.plan.memory import (
     EngineMemory,
     RewardMemory,
     TrainerMemory,
-    cpu_process,
     engine_memory,
     reward_memory,
     trained_params,
@@ -59,9 +58,7 @@ def make_plan(config: Config, model: dict, cluster: Cluster, reward_model: dict 
     layout = place(config, cluster)
     device_gb = cluster.gpu_gb if cluster.gpus else cluster.cpu_gb
     engine = engine_memory(model_shape, config, device_gb, gpu=cluster.gpus > 0)
-    trainer = trainer_memory(model_shape, config)
-    if not cluster.gpus:
-        trainer = cpu_process(trainer)
+    trainer = trainer_memory(model_shape, config, gpu=cluster.gpus > 0)
     reward = reward_memory(shape(reward_model), config, _stored_bytes(reward_model)) if reward_model else None
     return Plan(config, model_shape, cluster, layout, trainer, engine,
                 host_memory(config, model, model_shape, layout, trainer, cluster), reward)
@@ -248,9 +245,9 @@ def render(plan: Plan, model_path: str) -> str:
         per_node.setdefault(node, []).append(device)
     rows, first = [], 0
     for node, devices in per_node.items():
-        rows.append((node, f"{len(devices)} per node, {kind}s {_span(devices)}", first))
+        rows.append((node, f"{len(devices)} per node, {kind}s {_span(devices)}", first, first + len(devices)))
         first += len(devices)
-    lines += [f"  trainer ranks {_span(list(range(rows[start][2], rows[end][2] + _count(rows[end][1])))):<9} "
+    lines += [f"  trainer ranks {_span(list(range(rows[start][2], rows[end][3]))):<9} "
               f"{mesh}  {_nodes(rows[start][0], rows[end][0])}  {rows[start][1]}"
               for start, end in _runs([row[1] for row in rows], [row[0] for row in rows])]
     t = plan.trainer
@@ -335,10 +332,6 @@ def _runs(descriptions: list[str], nodes: list[int]) -> list[tuple[int, int]]:
 
 def _nodes(first: int, last: int) -> str:
     return f"node {first}" if first == last else f"nodes {first}-{last}"
-
-
-def _count(description: str) -> int:
-    return int(description.split(" ", 1)[0])
 
 
 def _count_of(params: int) -> str:

@@ -53,7 +53,7 @@ element; bf16 keeps a few fp32 copies in its norms, hence larger numbers);
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from molt_train.config import Config
 from molt_train.plan.shape import Shape
@@ -90,7 +90,7 @@ class TrainerMemory:
     activations: float
     host: float  # offloaded states of this rank
     micro_batch_tokens: int
-    process: float = 0.0  # on a CPU cluster, the process beside its tensors (`cpu_process`)
+    process: float = 0.0  # on a CPU cluster, the process beside its tensors
 
     @property
     def total(self) -> float:
@@ -118,7 +118,8 @@ class EngineMemory:
                 + self.update)
 
 
-def trainer_memory(shape: Shape, config: Config) -> TrainerMemory:
+def trainer_memory(shape: Shape, config: Config, gpu: bool = True) -> TrainerMemory:
+    """One trainer rank's bytes; on a CPU cluster (not `gpu`) its process's own memory too."""
     actor, train = config.actor, config.train
     world, tp, cp, ep = actor.world_size, actor.tensor_parallel, actor.context_parallel, actor.expert_parallel
     compute = 2 if actor.param_dtype == "bfloat16" else 4
@@ -137,7 +138,8 @@ def trainer_memory(shape: Shape, config: Config) -> TrainerMemory:
         gathered = 0.0
     tokens = max(train.micro_batch_tokens, config.rollout.max_total_tokens)
     activations = activation_bytes(shape, config, -(-tokens // cp), compute)
-    return TrainerMemory(params, grads, moments, reference, gathered, activations, host, tokens)
+    return TrainerMemory(params, grads, moments, reference, gathered, activations, host, tokens,
+                         process=0.0 if gpu else TRAINER_PROCESS_GB * GB)
 
 
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -231,11 +233,6 @@ def engine_memory(shape: Shape, config: Config, device_gb: float, gpu: bool = Tr
               + (0.0 if config.actor.lora.rank else vocabulary))  # an adapter update repacks nothing
     return EngineMemory(weights, workspace, kv_cache, kv_per_token, budget, sequences,
                         process=ENGINE_PROCESS_GB * GB, packed=packed, update=update)
-
-
-def cpu_process(trainer: TrainerMemory) -> TrainerMemory:
-    """A trainer rank's memory on a CPU cluster: its tensors and its process."""
-    return replace(trainer, process=TRAINER_PROCESS_GB * GB)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import threading
 import zlib
@@ -62,8 +63,8 @@ class JsonLines:
             return replaced, []
         with self.path.open("rb") as file:
             # rewritten in place when the byte before where we stopped no longer ends a line
-            replaced = self.inode is not None and (stat.st_ino != self.inode or stat.st_size < self.offset
-                                                   or (self.offset > 0 and _byte_at(file, self.offset - 1) != b"\n"))
+            cut = self.offset > 0 and os.pread(file.fileno(), 1, self.offset - 1) != b"\n"
+            replaced = self.inode is not None and (stat.st_ino != self.inode or stat.st_size < self.offset or cut)
             if replaced:
                 self.offset = 0
             self.inode = stat.st_ino
@@ -72,11 +73,6 @@ class JsonLines:
         whole = data[:data.rfind(b"\n") + 1]
         self.offset += len(whole)
         return replaced, whole.decode(errors="replace").splitlines()
-
-
-def _byte_at(file, offset: int) -> bytes:
-    file.seek(offset)
-    return file.read(1)
 
 
 def _entry(line: str | dict) -> dict | None:

@@ -231,7 +231,9 @@ def test_the_engines_serve_the_trainers_adapters_token_exact(tmp_path, ray_addre
           f"against {full[-1]['sync/bytes']} for the full weights; KL to the model per step "
           f"{[r['kl'] for r in rows]}")
     assert len(gaps) >= 3 and max(gaps) < 1e-5
-    assert rows[-1]["kl"] > 1e-3  # the adapters moved the policy: an engine serving the model alone would differ
+    # the adapters moved the policy: an engine serving the model alone would differ by about sqrt(2 kl) a token,
+    # a thousand times the gaps above
+    assert rows[-1]["kl"] > 1e-4
     assert 0 < rows[-1]["sync/bytes"] < full[-1]["sync/bytes"] / 10
     checkpoint = tmp_path / "lora" / "checkpoints" / "step_000004"
     assert (checkpoint / "adapter" / "adapter_model.safetensors").exists()

@@ -99,8 +99,9 @@ def test_molt_sft_learns_chat_replies_and_a_resumed_run_continues(tmp_path, ray_
           [round(row["sft/loss"], 3) for row in whole])
     assert [row["step"] for row in resumed] == [1, 2, 3, 4, 5, 6]
     # the first step's loss is the untrained model's (about ln 10 on the digit, 0 on the end of the turn: about
-    # 1.15 a token)
-    assert whole[0]["sft/loss"] > 0.7 and losses[-1] < 0.1 and losses == sorted(losses, reverse=True)
+    # 1.15 a token); the held-out loss falls to under a fifth of it
+    assert whole[0]["sft/loss"] > 0.7 and losses[-1] < whole[0]["sft/loss"] / 5
+    assert losses == sorted(losses, reverse=True)
     for a, b in zip(whole[4:], resumed[4:]):  # from the step-4 checkpoint, the same batches and weights
         assert b["sft/loss"] == pytest.approx(a["sft/loss"], abs=1e-5)
     assert (out / "checkpoints" / "step_000006" / "policy" / "config.json").exists()

@@ -106,7 +106,14 @@ class TrainerGroup:
         await _gather([rank.restore.remote(directory) for rank in self.ranks])
 
     async def close(self) -> None:
-        await _gather([rank.close.remote() for rank in self.ranks])
+        """Close every rank whose process still runs. One that died (a signal to the whole process group, as
+        `timeout` and Slurm send, ends the run's own Ray and its actors with it) has nothing left to close, and
+        the run's own error or stop message stands."""
+        import asyncio
+
+        for result in await asyncio.gather(*(rank.close.remote() for rank in self.ranks), return_exceptions=True):
+            if isinstance(result, Exception) and not isinstance(result, ray.exceptions.RayActorError):
+                raise result
 
 
 async def _gather(refs):

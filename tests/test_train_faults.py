@@ -304,6 +304,23 @@ def test_sigterm_to_the_whole_process_group_of_a_run_with_its_own_ray_saves_and_
     assert f"molt-train: stopped by SIGTERM after step {len(_metrics(out))}; checkpoint {saved}" in stdout
 
 
+def test_a_stop_whose_signal_also_ended_a_trainer_rank_exits_143_with_its_stop_line(tmp_path, ray_address, started):
+    """A signal to the whole process group can end the run's own Ray, and a trainer rank with it, before the
+    run saves (a step of several seconds under `timeout` or Slurm). The run still exits 143 with its one stop
+    line, naming the checkpoint to resume from, and closing the dead rank adds no error over it."""
+    out = tmp_path / "rank-gone"
+    process = _start(out, ray_address, "--env", _slow_digit(tmp_path, 0.5), "--steps", "20",
+                     "--train.async_queue_size", "0", "--ckpt.every", "1", started=started)
+    _wait_for(process, lambda: len(_metrics(out)) >= 2, "step 2")
+    rank = _actor("PolicyRank")["Pid"]
+    process.send_signal(signal.SIGTERM)
+    os.kill(rank, signal.SIGKILL)
+    stdout, _ = process.communicate(timeout=120)
+    assert process.returncode == 143 and "Traceback" not in stdout, stdout[-3000:]
+    stops = [line for line in stdout.splitlines() if line.startswith("molt-train: stopped by SIGTERM")]
+    assert len(stops) == 1 and f"checkpoint {out / 'checkpoints'}" in stops[0], stdout[-3000:]
+
+
 @pytest.mark.parametrize("lora", [[], ["--actor.lora.rank", "8", "--train.lr", "1e-2"]], ids=["full", "lora"])
 def test_sigterm_saves_the_last_finished_step_and_the_resumed_run_equals_the_uninterrupted_one(
         tmp_path, ray_address, started, lora):

@@ -1,7 +1,8 @@
 """The one asynchronous loop: rollouts in, optimizer steps out, weights back to the engines.
 
     for each step:
-        groups   <- the rollout workers (generated ahead when async)
+        groups   <- the rollout workers (generated ahead when async; when synchronous, started at the weight
+                    sync of the step before and sampled by its weights)
         batch    <- validate, staleness, advantages, dynamic filtering
         stats    <- the trainer: old logprobs, IS-correct, loss, backward, optimizer step
         weights  -> the engines (pause, load, version + 1, resume)
@@ -13,8 +14,10 @@ rollouts), `assemble`, `train` (= `pack` on the driver + `ray`, transfers and
 scheduling, + `rank_step`, the slowest rank's step: `logprobs`, a separate
 old-logprob forward, 0 when the training forward gives them, +
 `forward_backward` + `optimizer`), `sync`, `eval` (at steps that evaluate), `step` (all of it) and `elapsed`
-(since the loop began); `generate` is a group's mean time to generate (groups
-overlap each other, and training in async mode).
+(since the loop began); `generate` is a group's mean time from its start to its
+end (groups overlap each other, and training in async mode; in synchronous
+mode they start at the weight sync of the step before and wait for its
+weights).
 
 Infrastructure (Ray actors, ports, placement) lives in `runtime`; this file
 is the loop and nothing else.
@@ -71,6 +74,7 @@ async def train(config, run_dir: Path, model_dir: str, console: Console) -> None
         failing: list[str] = []  # the first failure of each step in a row whose every episode failed
         began = time.perf_counter()
         first = True  # this process's first step: it logs `time/startup/*`
+        prefetch = _prefetches(config)
         while step < config.steps and stop.received is None:
             started = time.perf_counter()
             groups = await stop.unless_stopped(runtime.groups.take())
@@ -112,6 +116,8 @@ async def train(config, run_dir: Path, model_dir: str, console: Console) -> None
                 first = False
 
             syncing = time.perf_counter()
+            if items and prefetch and step + 1 < config.steps:  # the step syncs its weights: version + 1
+                runtime.groups.prefetch(version + 1)
             if items:
                 version = await runtime.sync_weights()
             synced = time.perf_counter() - syncing
@@ -160,6 +166,14 @@ async def train(config, run_dir: Path, model_dir: str, console: Console) -> None
         metrics.close()
         await runtime.close()
     console.say(f"plots: {plot(run_dir)}")
+
+
+def _prefetches(config) -> bool:
+    """Whether a synchronous run starts the next step's groups as it syncs the weights (`GroupStream.prefetch`).
+    Not where a weight update waits for the episodes in flight (no partial rollout: they would wait for it), or
+    under LoRA, whose engine binds a request to the adapter it serves when the request starts (before the first
+    weight sync, none)."""
+    return config.train.async_queue_size == 0 and config.rollout.partial_rollout and not config.actor.lora.rank
 
 
 def _replaced_stats(replaced: list[Group], trained: list[Group]) -> dict:

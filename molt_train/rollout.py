@@ -4,8 +4,10 @@ A worker hosts one engine and plays episodes with the env runner; a group is
 `group_size` episodes of the same prompt (the same environment seed). The
 `GroupStream` keeps groups in flight across the workers and hands finished
 ones to the trainer through a bounded queue: with `async_queue_size = 0` it
-only generates what the next step consumes (synchronous, on-policy); above
-0 generation runs ahead of training by up to that many groups. Groups go to
+only generates what the next step consumes (synchronous, on-policy), and the
+loop starts those groups as it syncs the weights of the step before
+(`prefetch`), held by the engines until those weights are in; above 0
+generation runs ahead of training by up to that many groups. Groups go to
 a worker in chunks, a step's share of the workers at a time, in one call:
 the chunk's requests reach the engine together and fill its first steps,
 where one call per group would arrive staggered, each starting engine steps
@@ -101,8 +103,12 @@ class RolloutWorker:
         """How long this worker's constructor took (the engine's build, mostly): `time/startup/engine_init`."""
         return self._init_seconds
 
-    async def groups(self, chunk: list[tuple[int, int]], size: int) -> list[Group]:
-        """`group` for every `(group_index, env_seed)` of `chunk`, played at once; in that order."""
+    async def groups(self, chunk: list[tuple[int, int]], size: int, hold: int | None = None) -> list[Group]:
+        """`group` for every `(group_index, env_seed)` of `chunk`, played at once; in that order. With `hold`,
+        a weight version: their episodes start now, but the engine samples nothing before it has those
+        weights (`SteppedEngine.hold`)."""
+        if hold is not None:
+            self.engine.hold(hold)
         return list(await asyncio.gather(*(self.group(index, seed, size) for index, seed in chunk)))
 
     async def group(self, group_index: int, env_seed: int, size: int) -> Group:
@@ -323,8 +329,8 @@ class GroupStream:
     def env_seed(self, index: int) -> int:
         return train_seed(self.seed, index)
 
-    def _submit(self, count: int) -> None:
-        """Start `count` groups on the next worker, in one call."""
+    def _submit(self, count: int, hold: int | None = None) -> None:
+        """Start `count` groups on the next worker, in one call (sampled from weight version `hold` on)."""
         indices = []
         for _ in range(count):
             if self.redo:
@@ -334,14 +340,21 @@ class GroupStream:
                 self.next_index += 1
         worker = self.workers[self._turn % len(self.workers)]
         self._turn += 1
-        ref = worker.groups.remote([(index, self.env_seed(index)) for index in indices], self.group_size)
+        ref = worker.groups.remote([(index, self.env_seed(index)) for index in indices], self.group_size, hold)
         self.in_flight[asyncio.ensure_future(ref)] = indices
 
-    def fill(self, held: int = 0) -> None:
+    def fill(self, held: int = 0, hold: int | None = None) -> None:
         """Keep groups in flight: this step's (less the `held` ones `take` holds already), plus the look-ahead in
-        async mode."""
+        async mode; those started now sampled from weight version `hold` on."""
         while (missing := self.groups_per_step + self.queue_size - self._pending() - len(self.done) - held) > 0:
-            self._submit(min(missing, self.chunk_size))
+            self._submit(min(missing, self.chunk_size), hold)
+
+    def prefetch(self, version: int) -> None:
+        """Synchronous mode, as a step's weight sync begins: start the next step's groups, to be sampled by the
+        weights of `version`, which that sync brings. Their episodes' work up to the first sample (environments,
+        chat templates, the engines' requests) overlaps the sync, and every token is still sampled by the
+        step's weights."""
+        self.fill(hold=version)
 
     def _pending(self) -> int:
         return sum(map(len, self.in_flight.values()))

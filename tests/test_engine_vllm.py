@@ -122,6 +122,41 @@ def test_vllm_new_requests_never_reuse_kv_of_old_weights(vllm_dense, dense_dir):
         run(vllm_dense.update_weights(list(original.state_dict().items())))
 
 
+def test_vllm_requests_started_under_a_hold_are_sampled_by_the_weights_it_waits_for(vllm_dense, dense_dir):
+    """A synchronous trainer starts the next step's requests before that step's weights reach the engine
+    (`SteppedEngine.hold`): no step runs until they do, and the requests, started beside prefix-cache blocks
+    that the old weights computed for the same prompt, are sampled by the new weights from their first token:
+    the same tokens and logprobs as the same requests started after the update."""
+    import asyncio
+
+    prompt = (_prompt(dense_dir) * 20)[:320]  # several KV-cache blocks
+    model = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.v_proj.weight.mul_(2.0)  # changes every cached value vector
+    params = SamplingParams(max_tokens=8, n=2, seed=5)
+
+    async def scenario():
+        await vllm_dense.generate(prompt, params)  # the old weights' blocks of this prompt, in the prefix cache
+        sampled = []
+        vllm_dense.hold(vllm_dense.version + 1)
+        held = asyncio.ensure_future(vllm_dense.generate(prompt, params, on_tokens=lambda *_: sampled.append(1)))
+        await asyncio.sleep(0.2)
+        waited = not held.done() and not sampled
+        version = await vllm_dense.update_weights(list(model.state_dict().items()))
+        return await held, await vllm_dense.generate(prompt, params), version, waited
+
+    try:
+        held, after, version, waited = run(scenario())
+        assert waited, "the engine sampled before the weights it was held for"
+        _check_samples(held, params, version=version)
+        assert _check_against_transformers(model, prompt, held) < 1e-5
+        assert [(s.token_ids, s.logprobs) for s in held] == [(s.token_ids, s.logprobs) for s in after]
+    finally:
+        original = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32)
+        run(vllm_dense.update_weights(list(original.state_dict().items())))
+
+
 def test_the_cpu_reload_goes_a_decoder_layer_at_a_time():
     modules = {name: torch.nn.Linear(1, 1) for name in (
         "model.embed_tokens", "model.layers.0.self_attn.qkv_proj", "model.layers.1.self_attn.qkv_proj",

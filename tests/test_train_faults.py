@@ -196,7 +196,7 @@ def test_a_step_of_groups_goes_to_each_worker_in_one_call_and_a_lost_call_is_pla
             self.calls, self.fail_first = [], fail_first
             self.groups = self  # `worker.groups.remote(...)`, as on a Ray actor handle
 
-        def remote(self, chunk, size):
+        def remote(self, chunk, size, hold=None):
             self.calls.append([index for index, _ in chunk])
             future = asyncio.get_running_loop().create_future()
             if self.fail_first and len(self.calls) == 1:
@@ -245,7 +245,7 @@ def test_dynamic_sampling_replaces_groups_without_advantage_within_the_steps_bud
             self.started = []
             self.groups = self
 
-        def remote(self, chunk, size):
+        def remote(self, chunk, size, hold=None):
             self.started += [index for index, _ in chunk]
             future = asyncio.get_running_loop().create_future()
             future.set_result([Group(index, [SimpleNamespace(reward=r) for r in rewards(index)], [])

@@ -6,7 +6,10 @@ weights. This class owns the rest: coroutines submit work and await
 futures; all running requests advance together in each step, so concurrent
 requests batch; a pause takes effect between two steps, and so does a
 weight update, which is why every token can be stamped with the exact
-version of the weights that sampled it.
+version of the weights that sampled it. A hold (`hold`) lets requests in
+but runs no step before the weights of a given version are loaded: a
+synchronous trainer starts the next step's episodes as it syncs the
+weights, and their tokens are still all sampled by the new weights.
 
 Where the steps run (`stepping`):
 - `"thread"` (GPU engines): on an engine thread of its own, so the event
@@ -133,6 +136,7 @@ class SteppedEngine:
         self._request_ids = itertools.count()
         self._inbox: deque[tuple[Callable, asyncio.AbstractEventLoop]] = deque()  # jobs, and whose loop asked
         self._paused = False
+        self._held_until = 0  # no step before the weights of this version are loaded (`hold`)
         self._closed = False
         self._dead: BaseException | None = None
         self._busy = threading.RLock()  # held while jobs or a step run (`close` waits for it)
@@ -199,6 +203,18 @@ class SteppedEngine:
 
     async def resume(self) -> None:
         await self._queue(lambda: setattr(self, "_paused", False))
+
+    def hold(self, version: int) -> None:
+        """From now on, requests are started but no step runs until the weights of `version` are loaded
+        (`update_weights`): a request started under the hold is sampled by those weights from its first
+        token on. The caller sees to it that they come."""
+        self._queue(lambda: setattr(self, "_held_until", max(self._held_until, version)))
+
+    @property
+    def computing_version(self) -> int:
+        """The version of the weights that will compute a request started now (where the engine steps): the
+        loaded one, or the one a hold waits for."""
+        return max(self.version, self._held_until)
 
     async def sleep(self) -> None:
         """Release the device memory of the weights and the KV cache (GPU engines); `wake` takes it back."""
@@ -350,7 +366,7 @@ class SteppedEngine:
         self._fail_all(RuntimeError("the engine was closed"))
 
     def _run_jobs(self) -> bool:
-        """Run the queued jobs; whether a step is due (not paused, requests running)."""
+        """Run the queued jobs; whether a step is due (not paused or held, requests running)."""
         with self._busy:
             while not self._closed:
                 try:
@@ -361,7 +377,8 @@ class SteppedEngine:
                     job()
                 except Exception:  # queued jobs report their own errors; this is an abort or cleanup
                     log.exception("an engine job failed")
-            return not self._closed and not self._paused and self._backend_has_work()
+            return (not self._closed and not self._paused and self.version >= self._held_until
+                    and self._backend_has_work())
 
     def _step(self) -> None:
         with self._busy:

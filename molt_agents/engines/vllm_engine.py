@@ -245,10 +245,10 @@ class VLLMEngine(SteppedEngine):
             detokenize=bool(params.stop),
             skip_clone=True,  # these params are this request's own: vLLM need not deep-copy them
         )
-        # Salting the prefix cache with the weight version keeps a new request off KV blocks that old
-        # weights computed: under partial rollout, requests in flight still hold them (and vLLM refuses
-        # to reset its prefix cache while they do); unreachable, they age out of the cache.
-        prompt = TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=f"policy-v{self.version}")
+        # Salting the prefix cache with the weight version that computes the request keeps it off KV blocks
+        # that old weights computed: under partial rollout, requests in flight still hold them (and vLLM
+        # refuses to reset its prefix cache while they do); unreachable, they age out of the cache.
+        prompt = TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=f"policy-v{self.computing_version}")
         if images is not None:
             prompt["prompt_token_ids"] = images.collapsed(prompt_ids)
             prompt["multi_modal_data"] = {"image": list(images.pictures)}

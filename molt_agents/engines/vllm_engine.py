@@ -41,12 +41,15 @@ which is what importance weights need.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import gc
 import json
 import logging
 import os
 import shutil
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -202,6 +205,7 @@ class VLLMEngine(SteppedEngine):
                      "vllm.v1.engine.core"):
             logging.getLogger(name).addFilter(_BenignWarnings())
         self._top: dict[str, int] = {}  # request id -> top logprobs asked for
+        self._processed: dict[SamplingParams, object] = {}  # params (seed None) -> vLLM's processed copy
         self._lengths: dict[str, int] = {}  # request id -> tokens so far, when routes are captured on CPU
         self._capture_routes = False
         if moe and not gpu:
@@ -227,36 +231,51 @@ class VLLMEngine(SteppedEngine):
             self._engine.collective_rpc(_eager_token_ranks)
 
     def _backend_start(self, request_id, prompt_ids, params: SamplingParams, index, images=None):
-        from vllm import SamplingParams as VllmParams
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
 
-        vllm_params = VllmParams(
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k or -1,
-            max_tokens=params.max_tokens,
-            stop=list(params.stop) or None,
-            stop_token_ids=list(params.stop_token_ids) or None,
-            seed=None if params.seed is None else params.seed + index,
-            logprobs=params.top_logprobs,
-            output_kind=RequestOutputKind.DELTA,
-            # Molt reads token ids, never vLLM's text: detokenize only to find stop strings.
-            detokenize=bool(params.stop),
-            skip_clone=True,  # these params are this request's own: vLLM need not deep-copy them
-        )
+        seed = None if params.seed is None else params.seed + index
         # Salting the prefix cache with the weight version that computes the request keeps it off KV blocks
         # that old weights computed: under partial rollout, requests in flight still hold them (and vLLM
         # refuses to reset its prefix cache while they do); unreachable, they age out of the cache.
-        prompt = TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=f"policy-v{self.computing_version}")
-        if images is not None:
-            prompt["prompt_token_ids"] = images.collapsed(prompt_ids)
-            prompt["multi_modal_data"] = {"image": list(images.pictures)}
+        salt = f"policy-v{self.computing_version}"
+        if images is None:
+            self._engine.add_request(request_id, self._text_request(request_id, prompt_ids, params, seed, salt), None)
+        else:
+            prompt = TokensPrompt(prompt_token_ids=images.collapsed(prompt_ids), cache_salt=salt,
+                                  multi_modal_data={"image": list(images.pictures)})
             self._expected[request_id] = prompt_ids
-        self._engine.add_request(request_id, prompt, vllm_params, lora_request=self._adapter)
+            self._engine.add_request(request_id, prompt, _vllm_params(params, seed), lora_request=self._adapter)
         self._top[request_id] = params.top_logprobs
         if self._capture_routes:
             self._lengths[request_id] = len(prompt_ids)
+
+    def _text_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int | None,
+                      salt: str):
+        """vLLM's request for a prompt of tokens alone. vLLM's input processing (its checks of the prompt and of
+        the sampling parameters, which it completes from the model's generation config) runs for the first
+        request of each `params` (any seed); a later one takes a copy of the parameters it made, with its own
+        seed, and has its prompt checked as vLLM checks it. Half the cost of starting a request (the benchmark's
+        128 episodes of a step: docs/experiments/sync-speed.md)."""
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.engine import EngineCoreRequest
+
+        key = dataclasses.replace(params, seed=None)
+        processed = self._processed.get(key)
+        if processed is None:
+            request = self._engine.input_processor.process_inputs(
+                request_id, TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=salt), _vllm_params(params, seed),
+                supported_tasks=self._engine.get_supported_tasks(), lora_request=self._adapter)
+            if len(self._processed) >= PROCESSED_PARAMS:  # (a server's clients may vary them without end)
+                self._processed.clear()
+            self._processed[key] = copy.copy(request.sampling_params)
+            return request
+        self._engine.renderer.validate_token_ids(prompt_ids)
+        self._engine.input_processor._validate_prompt_len(len(prompt_ids), "decoder")
+        sampling = copy.copy(processed)
+        sampling.seed = seed
+        return EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt_ids, mm_features=None,
+                                 sampling_params=sampling, pooling_params=None, arrival_time=time.time(),
+                                 lora_request=self._adapter, cache_salt=salt, data_parallel_rank=None)
 
     def _backend_step(self) -> list[Progress]:
         progress = []
@@ -344,6 +363,30 @@ class VLLMEngine(SteppedEngine):
         self._engine.engine_core.shutdown()
         if self._adapter_dir is not None:
             shutil.rmtree(self._adapter_dir, ignore_errors=True)
+
+
+PROCESSED_PARAMS = 256  # distinct sampling parameters whose processing by vLLM is kept (`_text_request`)
+
+
+def _vllm_params(params: SamplingParams, seed: int | None):
+    """vLLM's sampling parameters for `params`, sampled with `seed`."""
+    from vllm import SamplingParams as VllmParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return VllmParams(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k or -1,
+        max_tokens=params.max_tokens,
+        stop=list(params.stop) or None,
+        stop_token_ids=list(params.stop_token_ids) or None,
+        seed=seed,
+        logprobs=params.top_logprobs,
+        output_kind=RequestOutputKind.DELTA,
+        # Molt reads token ids, never vLLM's text: detokenize only to find stop strings.
+        detokenize=bool(params.stop),
+        skip_clone=True,  # these params are this request's own: vLLM need not deep-copy them
+    )
 
 
 def served_rank(rank: int) -> int:

@@ -180,12 +180,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run, at most")
     parser.add_argument("--wall-cap", type=float, default=300, help="seconds a run's process may take, at most")
     parser.add_argument("--cpu-lock", default=None, help="a lock file (flock) to hold during each run")
+    parser.add_argument("--model", default="tiny:agent",
+                        help="the model: tiny:agent, or its directory (a build of another commit's code)")
     args = parser.parse_args()
 
     from molt_agents.tiny.build import model_dir
 
     with cpu_lock(args.cpu_lock):
-        model = model_dir("tiny:agent")  # built once, cached (a few minutes the first time)
+        model = model_dir(args.model)  # tiny:agent is built once, cached (a few minutes the first time)
     if "trl" in args.systems and subprocess.run(["bash", str(BENCH / "setup_trl.sh")]).returncode != 0:
         sys.exit("agentic: bench/setup_trl.sh failed (see above)")
     out = run.RESULTS / time.strftime("agentic-%Y%m%d-%H%M%S")

@@ -16,6 +16,10 @@ token behind its back; no `extra_body`, no special flags.
 A client made per episode costs its SSL context (20-50 ms on a CPU, more than
 an episode of a tiny model): `ctx.client()` is such a client, copied per
 episode from one per event loop (`ctx.sync_client()` for blocking code).
+Where the loopback runs in the agent's process, as in a rollout worker,
+`ctx.client()` hands its requests to the loopback's ASGI app in process:
+the same routes, checks and capture, without the sockets, HTTP parsing and
+connection pool in between (bench/README.md, "Agentic workload").
 """
 
 from __future__ import annotations
@@ -41,16 +45,25 @@ class AgentContext:
     task: dict = field(default_factory=dict)  # task data (e.g. the expected answer) for computing reward
     session_id: str = ""
     env: Any = None  # the task's environment when there is one: `ctx.env.step(answer)` scores an answer
+    app: Any = None  # the loopback's ASGI app when it serves this session in this process (`client()` calls it)
 
     def client(self):
         """An `openai.AsyncOpenAI` on this episode's session: a copy (`with_options`, about 0.05 ms) of one
-        client per event loop, whose connection pool serves every episode on that loop."""
+        client per event loop. With `app`, that client sends each request to the app in process (a streamed
+        reply then arrives whole, once sampled); without, its connection pool serves every episode on that
+        loop."""
         import openai
 
-        loop = asyncio.get_running_loop()
-        if loop not in _ASYNC_CLIENTS:
-            _ASYNC_CLIENTS[loop] = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key)
-        return _ASYNC_CLIENTS[loop].with_options(base_url=self.base_url, api_key=self.api_key)
+        clients = _ASYNC_CLIENTS.setdefault(asyncio.get_running_loop(), {})
+        if self.app not in clients:
+            http_client = None
+            if self.app is not None:
+                import httpx2  # the openai client's HTTP library
+
+                http_client = httpx2.AsyncClient(transport=httpx2.ASGITransport(self.app, raise_app_exceptions=False))
+            clients[self.app] = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key,
+                                                   http_client=http_client)
+        return clients[self.app].with_options(base_url=self.base_url, api_key=self.api_key)
 
     def sync_client(self):
         """An `openai.OpenAI` on this episode's session, for a blocking `run`: a copy of one per process."""
@@ -63,7 +76,7 @@ class AgentContext:
         return _SYNC_CLIENT.with_options(base_url=self.base_url, api_key=self.api_key)
 
 
-_ASYNC_CLIENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its client
+_ASYNC_CLIENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> {app or None: client}
 _SYNC_CLIENT = None
 _SYNC_LOCK = threading.Lock()
 
@@ -90,7 +103,8 @@ async def run_agent(agent: ChatAgent, loopback, *, messages: list[dict], tools: 
     session = loopback.open_session(rollout_id=rollout_id, group_id=group_id, defaults=sampling)
     ctx = AgentContext(base_url=loopback.base_url(session.id), api_key=loopback.api_key,
                        model=loopback.model_name, messages=list(messages), tools=tools,
-                       sampling=dict(sampling or {}), task=dict(task or {}), session_id=session.id, env=env)
+                       sampling=dict(sampling or {}), task=dict(task or {}), session_id=session.id, env=env,
+                       app=loopback.app)
     try:
         result = await call_agent(agent, ctx)
     except BaseException:

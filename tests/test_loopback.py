@@ -256,6 +256,47 @@ def test_chat_agent_runs_against_the_loopback(loopback):
     assert trajectory.num_trainable <= 5  # the session's sampling defaults applied
 
 
+def test_ctx_client_is_served_in_process_with_the_sockets_capture(vllm_engines, dense_dir):
+    """`ctx.client()` hands its requests to the loopback's app in process: no server has to listen, and the
+    session captures what the same requests over a socket capture (the same seeds: the same tokens and
+    logprobs), a streamed reply included."""
+
+    class TwoTurns(ChatAgent):
+        def __init__(self, over_socket: bool):
+            self.over_socket = over_socket
+
+        async def run(self, ctx):
+            client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) \
+                if self.over_socket else ctx.client()
+            messages = list(ctx.messages)
+            reply = await client.chat.completions.create(model=ctx.model, messages=messages, max_tokens=6)
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
+                         {"role": "user", "content": "And then?"}]
+            stream = await client.chat.completions.create(model=ctx.model, messages=messages, max_tokens=6,
+                                                          stream=True)
+            streamed = "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
+            return AgentResult(1.0, {"streamed": streamed})
+
+    def play(over_socket: bool):
+        return run(run_agent(TwoTurns(over_socket), server, messages=[{"role": "user", "content": "Hi"}],
+                             sampling={"seed": 3}))
+
+    server = Loopback(vllm_engines.get(dense_dir), AutoTokenizer.from_pretrained(dense_dir), max_model_len=512)
+    in_process = play(over_socket=False)  # the server was never started: nothing listens on its port
+    server.start()
+    try:
+        over_socket = play(over_socket=True)
+    finally:
+        server.stop()
+    for ours, theirs in zip(in_process, over_socket, strict=True):
+        check(ours)
+        assert ours.token_ids == theirs.token_ids and ours.mask == theirs.mask
+        # (the second play's prompts hit the engine's prefix cache: the same logprobs up to float rounding)
+        assert all(abs(a - b) < 1e-5 for a, b, m in zip(ours.logprobs, theirs.logprobs, ours.mask) if m)
+        assert ours.info["streamed"] == theirs.info["streamed"]
+    assert sum(in_process[-1].mask) > 0
+
+
 @pytest.mark.parametrize("returned,error", [({"reward": 1}, TypeError), (None, KeyError)])
 def test_a_failing_agent_raises_and_its_session_is_closed(loopback, returned, error):
     class Failing(ChatAgent):

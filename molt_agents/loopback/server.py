@@ -215,34 +215,17 @@ class Loopback:
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="molt loopback", docs_url=None, redoc_url=None, openapi_url=None)
-        unexpected = APIError(500, "the loopback failed on this request; its log (logger 'molt.loopback') "
-                                   "has the traceback", type="server_error")
-
-        def answer(request: Request, error: APIError) -> JSONResponse:
-            body = anthropic.error_body(error) if anthropic.speaks(request.url.path) else error.body()
-            return JSONResponse(body, status_code=error.status)
 
         @app.exception_handler(APIError)
         async def api_error(request: Request, error: APIError):
-            return answer(request, error)
+            return _answer(request.url.path, error)
 
         @app.exception_handler(StarletteHTTPException)
         async def http_error(request: Request, error: StarletteHTTPException):
-            return answer(request, APIError(error.status_code, str(error.detail),
-                                            code="not_found" if error.status_code == 404 else None))
+            return _answer(request.url.path, APIError(error.status_code, str(error.detail),
+                                                      code="not_found" if error.status_code == 404 else None))
 
-        @app.middleware("http")
-        async def authorize_and_contain(request: Request, call_next):
-            if request.headers.get("authorization") != f"Bearer {self.api_key}" \
-                    and request.headers.get("x-api-key") != self.api_key:
-                return answer(request, APIError(401, "missing or wrong API key (Authorization: Bearer <key>, "
-                                                     "or x-api-key: <key>)", type="authentication_error",
-                                                code="invalid_api_key"))
-            try:
-                return await call_next(request)
-            except Exception:  # past here Starlette answers 500 but re-raises, and uvicorn drops the connection
-                log.exception("%s %s failed", request.method, request.url.path)
-                return answer(request, unexpected)
+        app.add_middleware(_AuthorizeAndContain, api_key=self.api_key)
 
         @app.get("/s/{session_id}/v1/models")
         async def models(session_id: str):
@@ -380,12 +363,13 @@ class Loopback:
     async def _respond(self, session: Session, find_base, body, top: int, build, wire: Wire):
         """Sample for a chat or completion request; a stream written by `wire`, or the whole response.
 
-        `build(body, base, samples, stop)` makes the response once the samples are captured.
+        `build(body, base, samples, stop)` makes the response once the samples are captured. It is JSON
+        as it is, so it goes out as a `JSONResponse` (FastAPI would walk a returned dict to encode it).
         """
         if body.stream:
             return await self._stream(session, find_base, body, top, build, wire)
         async with session.lock:
-            return await self._generate(session, find_base, body, top, build)
+            return JSONResponse(await self._generate(session, find_base, body, top, build))
 
     async def _generate(self, session: Session, find_base, body, top: int, build, on_start=None,
                         on_tokens=None) -> dict:
@@ -529,7 +513,7 @@ class Loopback:
         if first[0] == "error":
             raise first[1]
         written = wire.events(body, self._sampled(session, body, events))
-        return StreamingResponse(self._guarded(session, written, wire, task), media_type="text/event-stream")
+        return _Stream(self._guarded(session, written, wire, task), task)
 
     async def _sampled(self, session: Session, body, events: asyncio.Queue):
         """The reply as the engine samples it, for any protocol: `("text", index, progress, new_text)` per
@@ -608,6 +592,67 @@ class Loopback:
                 yield chunk([piece(index, "", finish_reason=choice["finish_reason"])])
             if body.include_usage_in_stream:
                 yield chunk([], usage=final["usage"])
+
+
+_UNEXPECTED = APIError(500, "the loopback failed on this request; its log (logger 'molt.loopback') has the traceback",
+                       type="server_error")
+_UNAUTHORIZED = APIError(401, "missing or wrong API key (Authorization: Bearer <key>, or x-api-key: <key>)",
+                         type="authentication_error", code="invalid_api_key")
+
+
+def _answer(path: str, error: APIError) -> JSONResponse:
+    """`error` as a response in the shape of the API that `path` belongs to."""
+    body = anthropic.error_body(error) if anthropic.speaks(path) else error.body()
+    return JSONResponse(body, status_code=error.status)
+
+
+class _AuthorizeAndContain:
+    """ASGI middleware around every route: a request without the API key gets a 401; an error no route
+    handled gets a JSON 500 and is logged, where Starlette would answer 500 but re-raise and uvicorn drop
+    the client's connection. Plain ASGI (not `@app.middleware("http")`, which runs each request in a task
+    of its own behind memory streams)."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.bearer, self.key = app, f"Bearer {api_key}".encode(), api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if _header(scope, b"authorization") != self.bearer and _header(scope, b"x-api-key") != self.key:
+            return await _answer(scope["path"], _UNAUTHORIZED)(scope, receive, send)
+        started = False
+
+        async def sending(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception:
+            if started:  # the status is sent; a stream reports its own errors (`Loopback._guarded`)
+                raise
+            log.exception("%s %s failed", scope["method"], scope["path"])
+            await _answer(scope["path"], _UNEXPECTED)(scope, receive, send)
+
+
+def _header(scope, name: bytes) -> bytes | None:
+    """The first value of header `name` (lower case) in an ASGI `scope`."""
+    return next((value for key, value in scope["headers"] if key == name), None)
+
+
+class _Stream(StreamingResponse):
+    """Server-sent events that stop `sampling` (a task) the moment the client hangs up. Starlette's own
+    response cancels its writer then, but through anyio, which delivers the cancel only while the writer
+    waits on nothing ready; a writer fed by every engine step can miss it until the reply is done."""
+
+    def __init__(self, content, sampling: asyncio.Task):
+        super().__init__(content, media_type="text/event-stream")
+        self.sampling = sampling
+
+    async def listen_for_disconnect(self, receive) -> None:
+        await super().listen_for_disconnect(receive)
+        self.sampling.cancel()  # `_generate` restores the session; `_guarded` ends the stream
 
 
 def _has_images(messages: list[dict]) -> bool:

@@ -25,10 +25,12 @@ from molt_train.weight_sync import free_endpoint
 
 async def rendezvous(placement: Placement) -> tuple[str, int]:
     """A host and a free port on the node of rank 0's slot (found by a task there, unless that node is this
-    process's own): for the trainer's process group, and for the weight-sync channel."""
+    process's own): for the trainer's process group, and for the weight-sync channel. The task asks nothing
+    of the slot's CPUs and GPUs: once rank 0 runs, its actor holds them."""
     if placement.nodes()["trainer"][0] == ray.get_runtime_context().get_node_id():
         return free_endpoint()
-    return await ray.remote(free_endpoint).options(**placement.trainer_rank(0).options()).remote()
+    slot = replace(placement.trainer_rank(0), num_cpus=0, num_gpus=0)
+    return await ray.remote(free_endpoint).options(**slot.options()).remote()
 
 
 class TrainerGroup:

@@ -137,6 +137,42 @@ def two_nodes(tmp_path):
                 os.killpg(node.pid, signal.SIGKILL)
 
 
+def test_the_rendezvous_on_another_node_is_found_while_rank_0_holds_its_slot(two_nodes):
+    """A slot on the node that is not the driver's, its CPU held by a running actor (as rank 0 holds its
+    slot when the weight-sync channel opens): the rendezvous task still runs there and answers."""
+    found = _query(two_nodes, """
+import asyncio
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from molt_train.placement import Slot
+from molt_train.trainer import rendezvous
+
+group = placement_group([{"CPU": 1}, {"CPU": 1}], strategy="STRICT_SPREAD")
+ray.get(group.ready())
+on_nodes = ray.util.placement_group_table(group)["bundles_to_node_id"]
+here = ray.get_runtime_context().get_node_id()
+bundle = next(index for index, node in on_nodes.items() if node != here)
+slot = Slot(PlacementGroupSchedulingStrategy(group, bundle), 1, 0)
+
+@ray.remote
+class Rank:
+    def node(self):
+        return ray.get_runtime_context().get_node_id()
+
+rank = Rank.options(**slot.options()).remote()
+rank_node = ray.get(rank.node.remote())
+
+class OneRank:
+    def nodes(self):
+        return {"engines": [], "trainer": [on_nodes[bundle]]}
+    def trainer_rank(self, index):
+        return slot
+
+host, port = asyncio.run(asyncio.wait_for(rendezvous(OneRank()), 60))
+print(json.dumps({"here": here, "rank": rank_node, "slot": on_nodes[bundle], "port": port}))""")
+    assert found["rank"] == found["slot"] != found["here"] and found["port"] > 0
+
+
 def test_engine_and_trainer_on_two_nodes_sync_weights_and_learn(two_nodes, tmp_path):
     """The default task, joined to the cluster with --ray.address: the engine on one node, the trainer
     on the other, the weights broadcast between them after every step, and the reward rises."""

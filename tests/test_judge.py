@@ -5,6 +5,7 @@ and a short run whose reward comes from `molt-serve` of a frozen tiny model, kil
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -126,42 +127,50 @@ def test_a_judge_that_keeps_failing_raises_and_names_why(endpoint):
         asyncio.run(Judge("Rate {answer}.")(answer="a"))
 
 
-def test_a_judge_through_molt_serve_drives_a_run_and_its_outage_drops_episodes_not_steps(tmp_path, ray_address):
-    """`judged_digit`, scored by `molt-serve` of the frozen tiny chat model; the endpoint is stopped once two
-    steps are logged: the run goes on to its last step, the episodes it could not judge dropped and
-    counted, none of them scored 0."""
+def test_a_judges_outage_drops_episodes_not_steps_and_molt_serve_then_drives_the_run(tmp_path, ray_address):
+    """`judged_digit`, its judge's endpoint down when the run starts: every episode of the first steps is
+    dropped and counted, none scored 0, and the run goes on. Once two steps are logged, `molt-serve` of the
+    frozen tiny chat model starts on that endpoint's port, and from then on it scores the episodes. (The outage
+    comes first so that no cached score can stand in for the endpoint.)"""
     out = tmp_path / "judged"
-    serve = molt_serve("--api-key", "k3y", "--max-model-len", "512", "--model", "tiny:chat")
-    _, base = serve.__enter__()
-    env = {**os.environ, "MOLT_JUDGE_URL": base.replace("<session>", "judge"), "MOLT_JUDGE_API_KEY": "k3y"}
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/s/judge/v1"
+    env = {**os.environ, "MOLT_JUDGE_URL": url, "MOLT_JUDGE_API_KEY": "k3y"}
     run = subprocess.Popen([sys.executable, "-m", "molt_train.cli", "--out", str(out), "--ray.address", ray_address,
-                            "--env", "judged_digit", "--steps", "6", "--rollout.groups_per_step", "4",
+                            "--env", "judged_digit", "--steps", "10", "--rollout.groups_per_step", "4",
                             "--rollout.group_size", "4", "--train.async_queue_size", "0",
                             "--rollout.max_failed_steps", "0", "--log.tensorboard", "false"],
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = out / "metrics.jsonl"
-    try:
-        deadline = time.monotonic() + 400
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-            assert run.poll() is None, run.stderr.read()[-4000:]
-            assert time.monotonic() < deadline, "no two steps within 400 s"
-            time.sleep(0.5)
-    finally:
-        serve.__exit__(None, None, None)
-    stdout, stderr = run.communicate(timeout=600)
+    deadline = time.monotonic() + 400
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert run.poll() is None, run.stderr.read()[-4000:]
+        assert time.monotonic() < deadline, "no two steps within 400 s"
+        time.sleep(0.5)
+    with molt_serve("--api-key", "k3y", "--max-model-len", "512", "--model", "tiny:chat", "--port", str(port)) as (
+            _, base):
+        assert base.replace("<session>", "judge") == url
+        served_after = len(metrics.read_text().splitlines())
+        stdout, stderr = run.communicate(timeout=600)
     assert run.returncode == 0, stderr[-4000:]
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     failed = [r.get("episodes/failed/JudgeError", 0) for r in rows]
-    print("rewards", [round(r["reward/mean"], 3) for r in rows], "judge failures per step", failed)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
-    assert failed[:2] == [0, 0] and failed[-1] > 0
-    # every episode was judged (the frozen judge answers the rubric with the same digit whatever the reply,
-    # 5 of 9 for builder 11's tiny:chat; after the outage, from its cache where a reply was judged before) or
-    # dropped: none was scored 0
-    assert all(r["rollouts/trained"] + r["episodes/failed"] == 16 for r in rows)
-    score = rows[0]["reward/mean"]
+    print("rewards", [r["reward/mean"] for r in rows], "judge failures per step", failed,
+          "endpoint up after step", served_after)
+    why = (f"the endpoint came up after step {served_after}; every step's failures: "
+           + str([{k: v for k, v in r.items() if k.startswith("episodes/")} for r in rows])
+           + f"; the run's output ends:\n{(stdout + stderr)[-3000:]}")
+    assert [r["step"] for r in rows] == list(range(1, 11)), why
+    assert failed[:2] == [16, 16] and failed[-1] == 0 and served_after < 9, why
+    # every episode was judged (the frozen judge answers the rubric with the same digit whatever the reply)
+    # or dropped: none was scored 0
+    assert all(r["rollouts/trained"] + r["episodes/failed"] == 16 for r in rows), why
+    scored = [r for r in rows if r["rollouts/trained"]]
+    score = scored[0]["reward/mean"]
     assert score * 9 == pytest.approx(round(score * 9)) and score > 0
-    assert all(r["reward/mean"] == pytest.approx(score) and r["reward/std"] < 1e-9 for r in rows)
+    assert all(r["reward/mean"] == pytest.approx(score) and r["reward/std"] < 1e-9 for r in scored), why
     assert "an episode failed and was dropped:\nJudgeError: no score after 4 tries" in stdout + stderr
 
 

@@ -10,7 +10,7 @@ it), so the trainer can tell the engine's mismatch (age 0) from staleness.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -20,25 +20,10 @@ from molt_train.algorithms.advantages import ESTIMATORS, zero_variance_groups
 from molt_train.algorithms.off_policy import stale_tokens
 from molt_train.algorithms.overlong import overlong_penalty
 from molt_train.config import AlgoConfig
+from molt_train.group import Group
 from molt_train.packing import TrainItem
 
 Rollout = list[Trajectory]  # the segments of one episode; they share its reward
-
-
-@dataclass
-class Group:
-    """The episodes a rollout worker played of one training environment seed (`index` is the group's place
-    in the run's data): the segments of those that finished, the failure text of those that did not
-    (`molt_agents.episode.failure_text`), and the seconds it took."""
-
-    index: int
-    trajectories: list[Trajectory]
-    failures: list[str]
-    seconds: float = 0.0
-
-    def rewards(self) -> list[float]:
-        """One reward per finished episode (its segments share it)."""
-        return list({t.rollout_id: t.reward for t in self.trajectories}.values())
 
 
 def assemble(groups: list[Group], version: int, algo: AlgoConfig) -> tuple[list[TrainItem], dict]:

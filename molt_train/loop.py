@@ -28,18 +28,21 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from molt_train import checkpoint
-from molt_train.actor.policy import StepStats
-from molt_train.batch import Group, assemble
 from molt_train.console import Console
 from molt_train.evaluate import Evaluator
+from molt_train.group import Group
 from molt_train.metrics import Metrics, plot
 from molt_train.runtime import Runtime
 from molt_train.saved_rollouts import RolloutLog
 from molt_train.stop import StopSignals, Stopped
+
+if TYPE_CHECKING:
+    from molt_train.actor.policy import StepStats
 
 
 async def train(config, run_dir: Path, model_dir: str, console: Console) -> None:
@@ -49,6 +52,10 @@ async def train(config, run_dir: Path, model_dir: str, console: Console) -> None
     if resume_from:
         console.phase(f"resuming from {resume_from}")
     runtime = await Runtime.start(config, model_dir, resume_from, state, console)
+    # Not imported at the top: the driver imports torch (here, and the trainer's modules) only once its rollout
+    # workers are starting, so that torch's import overlaps their start (`Runtime.start`).
+    from molt_train.batch import assemble
+
     metrics = Metrics(run_dir, config, resume_step=state["step"])
     rollouts = RolloutLog(run_dir, config.log, resume_step=state["step"]) if config.log.rollouts else None
     step, version = state["step"], state["version"]

@@ -51,7 +51,7 @@ class Metrics:
             self.wandb.log(scalars, step=step)
 
     def episodes(self, step: int, groups: list) -> None:
-        """Log up to `log.wandb_episodes` of the step's episodes (`molt_train.batch.Group`s) to W&B as the table
+        """Log up to `log.wandb_episodes` of the step's episodes (`molt_train.group.Group`s) to W&B as the table
         `episodes`: step, prompt, reply, reward. One episode of each group in turn, so that the table shows
         different prompts before more samples of one; episodes without chat messages are left out."""
         if self.wandb is None or not self.wandb_episodes:

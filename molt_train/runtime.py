@@ -25,13 +25,10 @@ import time
 import ray
 
 from molt_train import checkpoint
-from molt_train.actor.lora import adapter_config
 from molt_train.console import StartupError, cause
 from molt_train.placement import Placement
 from molt_train.plan import local_cpus
 from molt_train.rollout import GroupStream, RolloutWorker, training_sampling
-from molt_train.trainer import TrainerGroup
-from molt_train.trainer import rendezvous as trainer_rendezvous
 
 WORKER_RESTARTS = 4  # per worker, over the run
 
@@ -89,6 +86,8 @@ class Runtime:
         start_dir = str(checkpoint.policy_dir(resume_from)) if resume_from else model_dir
         # Under LoRA the engines serve the run's model, and the trainer's adapters once it is up.
         lora = config.actor.lora if config.actor.lora.rank else None
+        if lora:
+            from molt_train.actor.lora import adapter_config  # PEFT (and torch)
         # A worker whose process dies is restarted by Ray with these arguments; `check_workers` then gives it
         # the current weights and version.
         created = time.time()
@@ -102,6 +101,11 @@ class Runtime:
                             reward_model=reward_model,
                             keep_messages=config.log.rollouts or (config.log.wandb and config.log.wandb_episodes > 0))
                         for i in range(config.engine.data_parallel_size)]
+        # The trainer's modules import torch (about 2 s of CPU): imported once the rollout workers, the slowest to
+        # start, are on their way, so that the driver's import overlaps their start instead of preceding Ray's.
+        from molt_train.trainer import TrainerGroup
+        from molt_train.trainer import rendezvous as trainer_rendezvous
+
         rendezvous = await _started("the trainer's rendezvous", trainer_rendezvous(self.placement))
         self.trainer = TrainerGroup(model_dir, start_dir, config, self.placement, rendezvous, sft)
         description = await _started("the trainer", self.trainer.ranks[0].describe.remote())
@@ -142,6 +146,8 @@ class Runtime:
         return actor
 
     async def _open_channel(self) -> None:
+        from molt_train.trainer import rendezvous as trainer_rendezvous
+
         host, port = await trainer_rendezvous(self.placement)
         metas = await self.trainer.ranks[0].weight_meta.remote()
         size, bucket_bytes = 1 + len(self.workers), self.config.train.sync_bucket_mb << 20

@@ -37,10 +37,8 @@ import json
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # molt-view reads saved rollouts without torch, which batch imports
-    from molt_train.batch import Group
+from molt_train.group import Group
 
 INDEX = "index.jsonl"
 

@@ -43,6 +43,15 @@ def test_help_documents_every_flag():
     assert "Engine weight dtype" in out  # field docstrings are the help text
 
 
+def test_the_driver_creates_its_rollout_workers_before_it_imports_torch():
+    # The engines' start is the critical path of a run's start-up; the driver's import of torch (about 2 s of
+    # CPU) overlaps it only while the modules that create the rollout workers leave torch out.
+    probe = ("import sys, molt_train.cli, molt_train.loop, molt_train.runtime, molt_train.rollout, "
+             "molt_train.group; print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
 def test_bad_flag_value_fails_before_work_and_names_the_flag():
     result = subprocess.run(MOLT_TRAIN + ["--engine.dtype", "fp7"], capture_output=True, text=True)
     assert result.returncode != 0

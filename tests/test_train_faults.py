@@ -234,7 +234,7 @@ def test_dynamic_sampling_replaces_groups_without_advantage_within_the_steps_bud
     import asyncio
     from types import SimpleNamespace
 
-    from molt_train.batch import Group
+    from molt_train.group import Group
     from molt_train.rollout import GroupStream
 
     def rewards(index):

@@ -150,7 +150,7 @@ def test_wandb_without_the_package_is_refused_before_any_work(tmp_path):
 def test_the_table_takes_one_episode_of_each_group_in_turn(tmp_path, monkeypatch):
     # A real offline W&B run in this process, fed hand-made groups: which episodes the table shows.
     from molt_env.trajectory import Trajectory
-    from molt_train.batch import Group
+    from molt_train.group import Group
     from molt_train.config import Config, LogConfig
     from molt_train.metrics import Metrics
 

@@ -33,7 +33,6 @@ import torch
 
 from molt_agents.hf_model import as_model_input, load_model
 from molt_train.actor import automodel, fsdp, lora
-from molt_train.actor.host_adamw import HostAdamW
 from molt_train.actor.routing_replay import RoutingReplay, freeze_routers, moe_routers
 from molt_train.algorithms.losses import entropy_from_logits, nll
 from molt_train.algorithms.objective import Objective, objective
@@ -269,9 +268,14 @@ class PolicyRank:
         # torch picks the per-tensor loop for FSDP2's DTensor parameters; the fused step is one kernel per
         # tensor and holds no temporaries (the multi-tensor one holds a copy of the second moments: +2.2 GiB on a
         # 0.6B model, and 8x slower on CPU: bench/real_size.py)
-        self.optimizer = (HostAdamW(trainable, lr=train.lr, weight_decay=train.weight_decay)
-                          if actor.offload == "optimizer" else
-                          torch.optim.AdamW(trainable, lr=train.lr, weight_decay=train.weight_decay, fused=True))
+        if actor.offload == "optimizer":
+            # Imported here: it imports torch.distributed.tensor (0.5 s), which the driver, importing this module
+            # for the class, need not wait for.
+            from molt_train.actor.host_adamw import HostAdamW
+
+            self.optimizer = HostAdamW(trainable, lr=train.lr, weight_decay=train.weight_decay)
+        else:
+            self.optimizer = torch.optim.AdamW(trainable, lr=train.lr, weight_decay=train.weight_decay, fused=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(
             lr_factor, warmup_steps=train.warmup_steps, total_steps=config.steps * train.updates_per_batch,
             schedule=train.lr_schedule, min_ratio=train.min_lr_ratio))

@@ -72,7 +72,7 @@ class Server:
                        "--trajectories", str(self.trajectories), *extra]
             cwd = tree
         elif name == "vllm":
-            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, as molt's engine sets it on CPU
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, what molt-serve's engine takes on CPU
             command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                        "--port", str(self.port), "--api-key", API_KEY, "--served-model-name", "policy",
                        "--dtype", "float32", "--max-model-len", str(max_model_len),

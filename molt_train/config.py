@@ -35,8 +35,9 @@ class EngineConfig:
     """MoE models: spread whole experts over the engine's tensor-parallel ranks (vLLM's
     enable_expert_parallel) instead of slicing every expert."""
     gpu_memory_utilization: float = 0.85
-    """Fraction of each engine GPU that vLLM may fill (weights, activations, KV cache); on CPU the KV cache
-    takes VLLM_CPU_KVCACHE_SPACE GiB instead (1 unless set)."""
+    """Fraction of each engine GPU that vLLM may fill (weights, activations, KV cache); on CPU the KV cache is
+    sized to the run instead: twice its episodes in flight at their longest, at most 1 GiB, or
+    VLLM_CPU_KVCACHE_SPACE GiB where set (`molt_train.plan.memory.cpu_kv_cache`)."""
     enable_prefix_caching: bool = True
     """Reuse the KV cache of shared prompt prefixes (group samples, multi-turn episodes); blocks are salted
     with the policy version, so no request reuses KV computed by older weights."""

@@ -62,14 +62,15 @@ class RolloutWorker:
     def __init__(self, model_dir: str, env: str, rollout: RolloutConfig, engine: EngineConfig,
                  sampling: SamplingParams, *, seed: int = 0, version: int = 0, agent: str | None = None,
                  colocate: bool = False, adapter: dict | None = None, reward: RewardConfig | None = None,
-                 reward_model=None, keep_messages: bool = False):
+                 reward_model=None, keep_messages: bool = False, cpu_kv_cache: int | None = None):
         """`rollout` and `engine` as the run's config holds them (`engine.max_model_len` resolved); `sampling`
         the training episodes'; `seed` the engine's; `version` the weights' (a resumed run continues the
         count); `agent` a `ChatAgent` class that plays the episodes through the loopback; `adapter` a LoRA
         adapter's config under LoRA (the weight updates are then its adapters); `reward_model` the reward
         model's actor, which scores every training group, its scores combined as `reward` says
         (`molt_train.reward_model`); `keep_messages` puts each episode's chat messages on its trajectories,
-        and an evaluation play's trajectories in its record (saved rollouts, the W&B episode table)."""
+        and an evaluation play's trajectories in its record (saved rollouts, the W&B episode table);
+        `cpu_kv_cache` the bytes of a CPU engine's KV cache (`molt_train.plan.memory.cpu_kv_cache`)."""
         began = time.perf_counter()
         from transformers import AutoTokenizer
 
@@ -82,7 +83,7 @@ class RolloutWorker:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.vision = Vision(model_dir) if Vision.available(model_dir) else None  # observations may carry images
         self.engine = make_engine(engine.name, model_dir, dtype=engine.dtype, seed=seed,
-                                  max_model_len=engine.max_model_len, **engine_options(engine, colocate),
+                                  max_model_len=engine.max_model_len, **engine_options(engine, colocate, cpu_kv_cache),
                                   **({"adapter": adapter} if adapter else {}))
         self.engine.version = version
         # A CPU engine steps on the episodes' event loop: a weight update is queued on it (`update_weights`)
@@ -303,14 +304,15 @@ def training_sampling(config) -> SamplingParams:
                           seed=config.seed)
 
 
-def engine_options(engine, colocate: bool = False) -> dict:
+def engine_options(engine, colocate: bool = False, cpu_kv_cache: int | None = None) -> dict:
     """The serving flags of `engine` (an EngineConfig) as the vLLM engine's arguments; none for hf.
-    Colocated engines can sleep (vLLM's sleep mode, GPU only)."""
+    Colocated engines can sleep (vLLM's sleep mode, GPU only); `cpu_kv_cache` sizes a CPU engine's KV cache."""
     if engine.name != "vllm":
         return {}
     options = dict(tensor_parallel_size=engine.tensor_parallel_size, enable_expert_parallel=engine.expert_parallel,
                    gpu_memory_utilization=engine.gpu_memory_utilization,
-                   enable_prefix_caching=engine.enable_prefix_caching, kv_cache_dtype=engine.kv_cache_dtype)
+                   enable_prefix_caching=engine.enable_prefix_caching, kv_cache_dtype=engine.kv_cache_dtype,
+                   cpu_kv_cache_bytes=cpu_kv_cache)
     if engine.enforce_eager is not None:
         options["enforce_eager"] = engine.enforce_eager
     if colocate:

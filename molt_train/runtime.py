@@ -26,8 +26,11 @@ import ray
 
 from molt_train import checkpoint
 from molt_train.console import StartupError, cause
+from molt_train.model_fit import model_config
 from molt_train.placement import Placement
 from molt_train.plan import local_cpus
+from molt_train.plan.memory import cpu_kv_cache, kv_bytes_per_token
+from molt_train.plan.shape import sizes
 from molt_train.rollout import GroupStream, RolloutWorker, training_sampling
 
 WORKER_RESTARTS = 4  # per worker, over the run
@@ -93,13 +96,15 @@ class Runtime:
         created = time.time()
         reward_model = self._start_reward_model() if config.reward.model else None
         worker = ray.remote(max_restarts=WORKER_RESTARTS, concurrency_groups={"control": 1})(RolloutWorker)
+        kv_cache = cpu_kv_cache(kv_bytes_per_token(sizes(model_config(model_dir)), config.engine), config)
         self.workers = [worker.options(**self.placement.engine(i).options()).remote(
                             model_dir if lora else start_dir, config.env, config.rollout, config.engine,
                             training_sampling(config), seed=config.seed + i, version=state["version"],
                             agent=config.agent, colocate=config.actor.colocate,
                             adapter=adapter_config(lora) if lora else None, reward=config.reward,
                             reward_model=reward_model,
-                            keep_messages=config.log.rollouts or (config.log.wandb and config.log.wandb_episodes > 0))
+                            keep_messages=config.log.rollouts or (config.log.wandb and config.log.wandb_episodes > 0),
+                            cpu_kv_cache=kv_cache)
                         for i in range(config.engine.data_parallel_size)]
         # The trainer's modules import torch (about 2 s of CPU): imported once the rollout workers, the slowest to
         # start, are on their way, so that the driver's import overlaps their start instead of preceding Ray's.

@@ -14,6 +14,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from molt_agents.chat_template import render_prompt_ids
 from molt_agents.engines import SamplingParams, vllm_cpu_reload
+from molt_train.config import EngineConfig
+from molt_train.model_fit import model_config
+from molt_train.plan.memory import kv_bytes_per_token
+from molt_train.plan.shape import sizes
 
 
 def _prompt(model_dir):
@@ -306,3 +310,15 @@ def test_the_cpu_engine_compiles_nothing_on_its_first_step(vllm_dense, dense_dir
     token = logprobs.gather(-1, torch.randint(0, 50, (6, 1)))
     vllms = vllm_logprobs.batched_count_greater_than._torchdynamo_orig_callable  # its function, not compiled
     assert torch.equal(_count_at_least(logprobs, token), vllms(logprobs, token))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU engine's KV cache (a GPU's is what memory leaves)")
+def test_a_cpu_engine_s_kv_cache_is_the_size_it_was_given(vllm_engines, dense_dir):
+    """A run sizes each CPU engine's KV cache to its episodes in flight (`plan.memory.cpu_kv_cache`)."""
+    size = 8 << 20
+    engine = vllm_engines.get(dense_dir, cpu_kv_cache_bytes=size)
+    cache = engine._engine.vllm_config.cache_config
+    per_token = kv_bytes_per_token(sizes(model_config(dense_dir)), EngineConfig())
+    assert cache.num_gpu_blocks * cache.block_size * per_token == size
+    samples = run(engine.generate(_prompt(dense_dir), SamplingParams(max_tokens=4, n=2, seed=0)))
+    assert all(sample.token_ids for sample in samples)

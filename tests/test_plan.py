@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -30,11 +31,12 @@ from molt_train.config import (
     ActorConfig,
     AlgoConfig,
     Config,
+    EngineConfig,
     RolloutConfig,
     TrainConfig,
 )
-from molt_train.plan.memory import trainer_memory
-from molt_train.plan.shape import _meta_counts, shape
+from molt_train.plan.memory import cpu_kv_cache, kv_bytes_per_token, sequences_in_flight, trainer_memory
+from molt_train.plan.shape import _meta_counts, shape, sizes
 
 ROOT = Path(__file__).resolve().parent.parent
 MOLT_TRAIN = [sys.executable, "-m", "molt_train.cli"]
@@ -173,6 +175,28 @@ def test_the_paper_s_optimizer_offload_figure():
         assert offloaded.host == pytest.approx(12 * model.params / world)  # moments and master weights
     print("Qwen3-4B optimizer offload saves per GPU:", {world: f"{gb:.1f} GB" for world, gb in savings.items()})
     assert savings[2] == pytest.approx(8 * 4.0225e9 / 2 / 1e9, rel=1e-3)
+
+
+def test_a_cpu_engine_s_kv_cache_is_sized_to_the_run_s_episodes_in_flight(dense_dir, monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    model = sizes(_config(dense_dir))
+    config = Config(engine=EngineConfig(max_model_len=4096))
+    per_token = kv_bytes_per_token(model, config.engine)
+    assert per_token == 2 * model.layers * model.kv_heads * model.head_dim * 4  # K and V, fp32
+    # 16 groups of 8 a step plus the asynchronous look-ahead of 16 groups, up to 512 tokens each, twice over
+    assert sequences_in_flight(config) == (16 + 16) * 8
+    assert cpu_kv_cache(per_token, config) == 2 * 256 * 512 * per_token
+    # shared by the engine replicas; an evaluation's plays come on top
+    two = replace(config, engine=replace(config.engine, data_parallel_size=2),
+                  eval=replace(config.eval, every=10, episodes=63, samples=2))
+    assert sequences_in_flight(two) == 16 * 8 + 32 * 2
+    # never less than two sequences of max_model_len, never more than 1 GiB unless the user grants it
+    assert cpu_kv_cache(per_token, replace(config, rollout=replace(config.rollout, groups_per_step=1, group_size=1),
+                                           train=replace(config.train, async_queue_size=0))) == 2 * 4096 * per_token
+    big = replace(config, rollout=replace(config.rollout, max_total_tokens=4096, group_size=64))
+    assert cpu_kv_cache(per_token, big) == 2**30
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
+    assert cpu_kv_cache(per_token, config) == 3 * 2**30
 
 
 # ----------------------------------------------------------------------------- estimates vs measured peaks

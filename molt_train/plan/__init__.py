@@ -284,7 +284,7 @@ def render(plan: Plan, model_path: str) -> str:
     lines.append(_row("total", e.total) + (f" of {e.budget / GB:.1f} GB (gpu_memory_utilization "
                                            f"{engine.gpu_memory_utilization} of {device_gb:.4g} GB)"
                                            + _verdict(e.weights + e.workspace, e.budget) if cluster.gpus
-                                           else " (KV cache: VLLM_CPU_KVCACHE_SPACE GiB)"))
+                                           else " (KV cache: the episodes in flight, or VLLM_CPU_KVCACHE_SPACE GiB)"))
     if plan.reward:
         r, (node, device) = plan.reward, layout.reward
         lines += [f"reward model, its own {kind} (node {node}, {kind} {device}): {_count_of(r.params)} parameters",

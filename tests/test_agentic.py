@@ -21,8 +21,8 @@ from molt_agents.runner import run_episode
 from molt_agents.tool_calls import parse_reply
 from molt_env import check
 from molt_train.batch import assemble
-from molt_train.group import Group
 from molt_train.config import AlgoConfig
+from molt_train.group import Group
 
 
 @pytest.fixture(scope="module")

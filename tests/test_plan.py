@@ -190,6 +190,8 @@ def test_a_cpu_engine_s_kv_cache_is_sized_to_the_run_s_episodes_in_flight(dense_
     two = replace(config, engine=replace(config.engine, data_parallel_size=2),
                   eval=replace(config.eval, every=10, episodes=63, samples=2))
     assert sequences_in_flight(two) == 16 * 8 + 32 * 2
+    # molt-sft runs no engine; its runtime counts as one
+    assert sequences_in_flight(replace(config, engine=replace(config.engine, data_parallel_size=0))) == 256
     # never less than two sequences of max_model_len, never more than 1 GiB unless the user grants it
     assert cpu_kv_cache(per_token, replace(config, rollout=replace(config.rollout, groups_per_step=1, group_size=1),
                                            train=replace(config.train, async_queue_size=0))) == 2 * 4096 * per_token

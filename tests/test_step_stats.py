@@ -18,8 +18,8 @@ import torch
 from molt_env.trajectory import Trajectory
 from molt_train.actor.policy import StepStats
 from molt_train.batch import assemble
-from molt_train.group import Group
 from molt_train.config import AlgoConfig, Config
+from molt_train.group import Group
 from molt_train.loop import _train_stats
 
 VERSION = 3  # the policy version the trainer holds

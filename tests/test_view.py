@@ -20,8 +20,8 @@ import uvicorn
 
 from molt_env.trajectory import Trajectory
 from molt_train.batch import segment_key
-from molt_train.group import Group
 from molt_train.config import LogConfig
+from molt_train.group import Group
 from molt_train.metrics import Metrics
 from molt_train.saved_rollouts import RolloutLog
 from molt_train.view.server import make_app

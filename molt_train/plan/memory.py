@@ -220,7 +220,7 @@ def kv_bytes_per_token(shape: Shape, engine) -> float:
 def sequences_in_flight(config: Config) -> int:
     """The most episodes one engine replica plays at once in a run: its share of the groups in flight (a step's,
     the asynchronous look-ahead's, dynamic sampling's extra ones) and of an evaluation's plays."""
-    replicas, rollout = config.engine.data_parallel_size, config.rollout
+    replicas, rollout = max(config.engine.data_parallel_size, 1), config.rollout  # (molt-sft may run none)
     groups = rollout.groups_per_step + config.train.async_queue_size + config.algo.max_extra_groups
     evaluating = config.eval.every > 0 or config.eval.at_start
     return (-(-groups // replicas) * rollout.group_size

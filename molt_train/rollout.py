@@ -41,8 +41,8 @@ from molt_agents.engines.base import SamplingParams
 from molt_agents.episode import EnginePlayer, Episode, LoopbackAgent
 from molt_env.judge import serve_policy
 from molt_env.split import EVAL, TRAIN, eval_seed, train_seed
-from molt_train.group import Group
 from molt_train.config import EngineConfig, RewardConfig, RolloutConfig
+from molt_train.group import Group
 
 
 def _freeze_heap() -> None:

@@ -36,6 +36,20 @@ from molt_train.rollout import GroupStream, RolloutWorker, training_sampling
 WORKER_RESTARTS = 4  # per worker, over the run
 
 
+# A local Ray starts a Python worker process per CPU and ends those still idle a second later. The run's
+# actors take them: the rollout workers at once, the trainer's ranks once the driver has imported torch
+# (`Runtime.start`), a second or more later, when each would otherwise wait for a process of its own to start.
+IDLE_WORKER_SECONDS = 10
+
+
+def start_local_ray(num_cpus: int) -> None:
+    """A new Ray instance on this machine (a new one even where `ray start` left a cluster that a bare
+    `ray.init()` would join), whose idle workers wait `IDLE_WORKER_SECONDS` for the run's actors."""
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
+             configure_logging=False,
+             _system_config={"idle_worker_killing_time_threshold_ms": IDLE_WORKER_SECONDS * 1000})
+
+
 async def _started(what: str, awaitable):
     """Await a start-up call; a failure becomes one line naming the component and the cause."""
     try:
@@ -88,11 +102,10 @@ class Runtime:
         self.config, self.version, self.report = config, state["version"], console.phase
         phase, startup = console.phase, console.startup
         self.owns_ray = not ray.is_initialized()
-        if self.owns_ray:
-            # "local": a new instance even where `ray start` left a cluster that a bare ray.init() would join.
-            ray.init(address=config.ray.address or "local",
-                     num_cpus=None if config.ray.address else local_cpus(config),
-                     include_dashboard=False, log_to_driver=True, configure_logging=False)
+        if self.owns_ray and config.ray.address:
+            ray.init(address=config.ray.address, include_dashboard=False, log_to_driver=True, configure_logging=False)
+        elif self.owns_ray:
+            start_local_ray(local_cpus(config))
         phase(f"ray: {'joined ' + config.ray.address if config.ray.address else 'started a local instance'}", "ray")
         self.placement = await Placement.reserve(config)  # a ConfigError names the flags
         phase(f"placement: {_describe(self.placement.nodes())}", "placement")

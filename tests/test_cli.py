@@ -52,6 +52,37 @@ def test_the_driver_creates_its_rollout_workers_before_it_imports_torch():
     assert result.stdout.strip() == "[]"
 
 
+TRAINER_TAKES_A_STARTED_WORKER = """
+import os, time, psutil, ray
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from molt_train.runtime import start_local_ray
+
+start_local_ray(2)
+group = placement_group([{"CPU": 1}, {"CPU": 1}])  # as the run reserves its slots
+ray.get(group.ready())
+time.sleep(0.5)
+started = {p.pid for p in psutil.Process().children(recursive=True) if "ray::IDLE" in " ".join(p.cmdline())}
+time.sleep(2)  # the driver imports torch before it creates the trainer's ranks
+
+@ray.remote(num_cpus=1)
+class Rank:
+    def pid(self):
+        return os.getpid()
+
+pid = ray.get(Rank.options(scheduling_strategy=PlacementGroupSchedulingStrategy(group, 1)).remote().pid.remote())
+print(len(started), pid in started)
+"""
+
+
+def test_the_trainer_ranks_take_the_worker_processes_ray_started_with_the_run():
+    # A local run's Ray starts a worker process per CPU; the trainer's ranks, created seconds later, take them
+    # (`runtime.IDLE_WORKER_SECONDS`) instead of each waiting for a process of its own to start.
+    result = subprocess.run([sys.executable, "-c", TRAINER_TAKES_A_STARTED_WORKER], capture_output=True,
+                            text=True, timeout=180)
+    assert result.stdout.split() == ["2", "True"], result.stdout + result.stderr[-2000:]
+
+
 def test_bad_flag_value_fails_before_work_and_names_the_flag():
     result = subprocess.run(MOLT_TRAIN + ["--engine.dtype", "fp7"], capture_output=True, text=True)
     assert result.returncode != 0

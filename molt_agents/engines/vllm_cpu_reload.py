@@ -32,6 +32,7 @@ import torch
 
 _SHELL = "_molt_weight_shell"  # a linear layer's freed weight Parameter, and its shape
 _LAYER = re.compile(r"^(.*?\blayers\.\d+\.)")  # a decoder layer's prefix of a weight or module name
+TRIM_AT = 64 << 20  # bytes free in the heap after a reload before it hands them back (`_release_freed_memory`)
 
 
 def install() -> None:
@@ -96,20 +97,35 @@ def reload(worker, weights) -> None:
 
 
 def _release_freed_memory() -> None:
-    """Hand the heap's free pages back to the system (glibc's `malloc_trim`). The layers' unpacked weights and
-    packings come and go through the heap, and without this its free pages stay with the process: an engine
-    of Qwen3-0.6B's shape grew by about 1.3 GB a weight sync."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
+    """Hand the heap's free pages back to the system (glibc's `malloc_trim`) once they add up to `TRIM_AT`.
+    The layers' unpacked weights and packings come and go through the heap, and without this its free pages
+    stay with the process: an engine of Qwen3-0.6B's shape grew by about 1.3 GB a weight sync. Below that,
+    keeping them spares the trim and the next reload's page faults (the benchmark's large model: a reload of
+    about 20 ms took about 15)."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return
+    if not hasattr(libc, "mallinfo2") or libc.mallinfo2().fordblks >= TRIM_AT:
+        libc.malloc_trim(0)
+
+
+class _MallInfo2(ctypes.Structure):
+    """glibc's `struct mallinfo2` (2.33 on): the heap's statistics in bytes; `fordblks` is its free space."""
+
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
 @functools.cache
-def _malloc_trim():
-    """glibc's `malloc_trim`, or None where the C library has none (looked up once: `find_library` runs
-    `ldconfig`)."""
+def _libc():
+    """The C library, or None where there is none to find (looked up once: `find_library` runs `ldconfig`)."""
     name = ctypes.util.find_library("c")
-    return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    if not name:
+        return None
+    libc = ctypes.CDLL(name)
+    if hasattr(libc, "mallinfo2"):
+        libc.mallinfo2.restype = _MallInfo2
+    return libc
 
 
 def layer_groups(modules: dict[str, torch.nn.Module], pairs: list) -> list[tuple[list, list]]:

@@ -19,12 +19,16 @@ episode from one per event loop (`ctx.sync_client()` for blocking code).
 Where the loopback runs in the agent's process, as in a rollout worker,
 `ctx.client()` hands its requests to the loopback's ASGI app in process:
 the same routes, checks and capture, without the sockets, HTTP parsing and
-connection pool in between (bench/README.md, "Agentic workload").
+connection pool in between (bench/README.md, "Agentic workload"); and it is
+one client for every episode on the loop, each request going to the session
+of the episode (the task) that sends it, so no episode pays for a copy and
+its first request's platform probe.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import threading
 import weakref
@@ -48,22 +52,25 @@ class AgentContext:
     app: Any = None  # the loopback's ASGI app when it serves this session in this process (`client()` calls it)
 
     def client(self):
-        """An `openai.AsyncOpenAI` on this episode's session: a copy (`with_options`, about 0.05 ms) of one
-        client per event loop. With `app`, that client sends each request to the app in process (a streamed
-        reply then arrives whole, once sampled); without, its connection pool serves every episode on that
-        loop."""
+        """An `openai.AsyncOpenAI` on this episode's session. With `app`: one client per event loop for every
+        episode of that app, which sends each request to the app in process, on the session of the episode
+        that sends it (a streamed reply then arrives whole, once sampled). Without: a copy (`with_options`,
+        about 0.05 ms) of one client per event loop, whose connection pool serves every episode on it."""
         import openai
 
         clients = _ASYNC_CLIENTS.setdefault(asyncio.get_running_loop(), {})
-        if self.app not in clients:
-            http_client = None
-            if self.app is not None:
+        if self.app is not None:
+            if self.app not in clients:
                 import httpx2  # the openai client's HTTP library
 
-                http_client = httpx2.AsyncClient(transport=httpx2.ASGITransport(self.app, raise_app_exceptions=False))
-            clients[self.app] = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key,
-                                                   http_client=http_client)
-        return clients[self.app].with_options(base_url=self.base_url, api_key=self.api_key)
+                transport = httpx2.ASGITransport(_EpisodeSessions(self.app), raise_app_exceptions=False)
+                clients[self.app] = openai.AsyncOpenAI(
+                    base_url=self.base_url.replace(f"/s/{self.session_id}/", f"/s/{_EPISODE}/"),
+                    api_key=self.api_key, http_client=httpx2.AsyncClient(transport=transport))
+            return clients[self.app]
+        if None not in clients:
+            clients[None] = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key)
+        return clients[None].with_options(base_url=self.base_url, api_key=self.api_key)
 
     def sync_client(self):
         """An `openai.OpenAI` on this episode's session, for a blocking `run`: a copy of one per process."""
@@ -77,6 +84,24 @@ class AgentContext:
 
 
 _ASYNC_CLIENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> {app or None: client}
+_EPISODE = "episode"  # the session in the path of an in-process client's requests: the sending episode's
+_SESSION: contextvars.ContextVar[str] = contextvars.ContextVar("molt_loopback_session")  # set by `run_agent`
+
+
+class _EpisodeSessions:
+    """The loopback's ASGI app behind an in-process client that every episode on a loop shares: a request
+    for the session `_EPISODE` goes to the session of the episode whose task (or a task or thread it
+    started) sends it."""
+
+    def __init__(self, app):
+        self.app, self.prefix = app, f"/s/{_EPISODE}/"
+
+    async def __call__(self, scope, receive, send):
+        session = _SESSION.get(None)
+        if session is not None and scope["type"] == "http" and scope["path"].startswith(self.prefix):
+            path = f"/s/{session}/{scope['path'][len(self.prefix):]}"
+            scope = dict(scope, path=path, raw_path=path.encode())
+        await self.app(scope, receive, send)
 _SYNC_CLIENT = None
 _SYNC_LOCK = threading.Lock()
 
@@ -105,11 +130,14 @@ async def run_agent(agent: ChatAgent, loopback, *, messages: list[dict], tools: 
                        model=loopback.model_name, messages=list(messages), tools=tools,
                        sampling=dict(sampling or {}), task=dict(task or {}), session_id=session.id, env=env,
                        app=loopback.app)
+    episode = _SESSION.set(session.id)  # where `ctx.client()`'s requests go from this task
     try:
         result = await call_agent(agent, ctx)
     except BaseException:
         loopback.discard(session.id)
         raise
+    finally:
+        _SESSION.reset(episode)
     trajectories = loopback.finish(session.id, result.reward, result.info)
     if conversation is not None:
         conversation[:] = session.chat or []

@@ -297,6 +297,34 @@ def test_ctx_client_is_served_in_process_with_the_sockets_capture(vllm_engines, 
     assert sum(in_process[-1].mask) > 0
 
 
+def test_ctx_client_is_one_client_that_sends_each_episode_s_requests_to_its_session(loopback, dense_dir):
+    """Episodes at once on one loop share `ctx.client()` (no copy, no platform probe per episode), and each
+    request reaches the session of the episode that sent it, from a task the agent starts too."""
+    clients = []
+
+    class Ask(ChatAgent):
+        async def run(self, ctx):
+            client = ctx.client()
+            clients.append(client)
+            await asyncio.sleep(0)  # the other episode's agent runs in between
+            ask = client.chat.completions.create(model=ctx.model, messages=ctx.messages, max_tokens=3)
+            await asyncio.create_task(ask)
+            return 1.0
+
+    async def both():
+        return await asyncio.gather(*(run_agent(Ask(), loopback, messages=[{"role": "user", "content": text}],
+                                                sampling={"seed": 0}, rollout_id=text)
+                                      for text in ("Tell me about apples", "Name three rivers")))
+
+    tokenizer = AutoTokenizer.from_pretrained(dense_dir)
+    apples, rivers = run(both())
+    assert clients[0] is clients[1]
+    for (trajectory,), asked, other in ((apples, "apples", "rivers"), (rivers, "rivers", "apples")):
+        check(trajectory)
+        prompt = tokenizer.decode(trajectory.token_ids[:trajectory.mask.index(1)])
+        assert asked in prompt and other not in prompt, prompt
+
+
 @pytest.mark.parametrize("returned,error", [({"reward": 1}, TypeError), (None, KeyError)])
 def test_a_failing_agent_raises_and_its_session_is_closed(loopback, returned, error):
     class Failing(ChatAgent):

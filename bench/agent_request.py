@@ -5,7 +5,7 @@
 The locker task's two requests of an episode (the prompt with its tool, then
 the same with a tool call and its result), 128 episodes at once, as
 `environments.agents.LockerAgent` sends them through `AgentContext.client()`
-(the `openai` client on `httpx2.ASGITransport`, a copy per episode). Each
+(one `openai` client for every episode, on `httpx2.ASGITransport`). Each
 line times one part alone, in milliseconds a request (median of 6 rounds
 after 2 warm-up rounds):
 
@@ -29,12 +29,13 @@ import json
 import time
 
 import httpx2
-import openai
 from openai._utils import async_maybe_transform
 from openai.types.chat import completion_create_params
 from transformers import AutoTokenizer
 
 import molt_env
+from molt_agents.agent import _SESSION as session_var
+from molt_agents.agent import AgentContext
 from molt_agents.engines.base import Sample
 from molt_agents.loopback import Loopback
 from molt_agents.tiny import model_dir
@@ -99,14 +100,13 @@ def main() -> None:
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
 
-    client = openai.AsyncOpenAI(base_url="http://loopback/s/0/v1", api_key="key",
-                                http_client=httpx2.AsyncClient(transport=httpx2.ASGITransport(canned_app)))
-
     async def by_client():
         async def episode(i):
-            session = client.with_options(base_url=f"http://loopback/s/{i}/v1")
+            session_var.set(str(i))  # as `run_agent` does for the agent's task
+            client = AgentContext(base_url=f"http://loopback/s/{i}/v1", api_key="key", model="policy", messages=[],
+                                  session_id=str(i), app=canned_app).client()
             for body in bodies:
-                await session.chat.completions.create(**body)
+                await client.chat.completions.create(**body)
         await asyncio.gather(*(episode(i) for i in range(EPISODES)))
 
     async def transforms():

@@ -84,6 +84,8 @@ class AgentContext:
 
 
 _ASYNC_CLIENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> {app or None: client}
+_SYNC_CLIENT = None
+_SYNC_LOCK = threading.Lock()
 _EPISODE = "episode"  # the session in the path of an in-process client's requests: the sending episode's
 _SESSION: contextvars.ContextVar[str] = contextvars.ContextVar("molt_loopback_session")  # set by `run_agent`
 
@@ -102,8 +104,6 @@ class _EpisodeSessions:
             path = f"/s/{session}/{scope['path'][len(self.prefix):]}"
             scope = dict(scope, path=path, raw_path=path.encode())
         await self.app(scope, receive, send)
-_SYNC_CLIENT = None
-_SYNC_LOCK = threading.Lock()
 
 
 @dataclass

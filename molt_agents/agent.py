@@ -92,8 +92,8 @@ _SESSION: contextvars.ContextVar[str] = contextvars.ContextVar("molt_loopback_se
 
 class _EpisodeSessions:
     """The loopback's ASGI app behind an in-process client that every episode on a loop shares: a request
-    for the session `_EPISODE` goes to the session of the episode whose task (or a task or thread it
-    started) sends it."""
+    for the session `_EPISODE` goes to the session of the episode whose task (or a task it started, or a
+    thread it started with `asyncio.to_thread`, which copies its context) sends it."""
 
     def __init__(self, app):
         self.app, self.prefix = app, f"/s/{_EPISODE}/"

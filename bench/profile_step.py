@@ -51,7 +51,9 @@ def molt_step(model_dir: str, items, steps: int, micro_batch_tokens: int, profil
               share_prefix: bool = True) -> dict:
     from molt_train.actor.policy import PolicyRank
     from molt_train.config import Config
+    from molt_train.model_fit import model_config
     from molt_train.packing import deal, pack
+    from molt_train.trainer import attention_per_token
     from molt_train.weight_sync import free_endpoint
 
     config = Config()
@@ -71,8 +73,10 @@ def molt_step(model_dir: str, items, steps: int, micro_batch_tokens: int, profil
     for step in range(steps + 2):
         if step == 2:
             times.clear()  # the first steps warm up allocators and caches
-        tree_tokens = micro_batch_tokens if share_prefix else 0
-        micro_batches = timed("pack", lambda: deal(pack(items, micro_batch_tokens, True, tree_tokens), 1)[0])
+        max_width = min(micro_batch_tokens, config.rollout.max_total_tokens)  # as the trainer group packs
+        tree_tokens = max_width if share_prefix else 0
+        micro_batches = timed("pack", lambda: deal(pack(items, micro_batch_tokens, True, tree_tokens, max_width,
+                                                        attention_per_token(model_config(model_dir))), 1)[0])
         if profiler and step == steps + 1:
             return {"profile": _profiled(profiler, lambda: rank.step(micro_batches, step_tokens))} | _medians(times)
         timed("step", rank.step, micro_batches, step_tokens)

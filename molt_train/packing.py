@@ -1,9 +1,11 @@
 """Sequence packing: training items (one per trajectory segment) into micro-batches of rows.
 
-A micro-batch is a grid of rows as wide as its longest sequence, flattened
-row after row: each row holds whole sequences (first fit, longest first),
-its tokens concatenated with `position_ids` restarting at 0 for each, and
-the rest of the row is padding, a block of its own that trains nothing.
+A micro-batch is a grid of rows of one width, flattened row after row: each
+row holds whole sequences (first fit, longest first), its tokens
+concatenated with `position_ids` restarting at 0 for each, and the rest of
+the row is padding, a block of its own that trains nothing. The width is
+the longest sequence's, or wider where that pads less (sequences a little
+over half the longest's length would each take a row of their own).
 transformers turns restarting positions into a block-diagonal causal mask,
 so no sequence attends to another, and attention costs the rows times the
 width squared instead of the square of all the tokens. Micro-batches are
@@ -27,6 +29,7 @@ forward and backward once instead of 8 times.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,35 +84,72 @@ class MicroBatch:
         return int(self.input_ids.numel())
 
 
-def pack(items: list[TrainItem], token_budget: int, rows: bool = True, tree_tokens: int = 0) -> list[MicroBatch]:
+def pack(items: list[TrainItem], token_budget: int, rows: bool = True, tree_tokens: int = 0, max_width: int = 0,
+         attention: float = 0.0) -> list[MicroBatch]:
     """Pack `items` into micro-batches of at most `token_budget` tokens, padding included.
 
-    With `rows`, longest first: a micro-batch's rows are as wide as its first (longest) unit (an item, or
-    with `tree_tokens` a prefix tree of at most that many tokens, see `trees`) and take each later one into
-    the first row with room; a unit longer than the budget gets a micro-batch of its own. Without, one row
-    each, greedy in the given order, no trees.
+    With `rows`, longest first, each unit (an item, or with `tree_tokens` a prefix tree of at most that many
+    tokens, see `trees`) into the first row with room; a micro-batch's rows are all as wide, and a unit
+    longer than the budget gets a micro-batch of its own. The width is the one of a few layouts that costs
+    least: rows as wide as each micro-batch's longest unit, or for every micro-batch a wider width up to
+    `max_width` (the sum of two common unit lengths, say, where units a little over half the longest's
+    length would each pad a row alone). A row costs its tokens plus `attention` times the square of its
+    width (its attention, computed across the row; the caller's estimate of attention's compute per token
+    pair against the rest of the model's per token). A micro-batch of one row is not padded.
+    Without `rows`, one row each, greedy in the given order, no trees.
     """
     places = {id(item): i for i, item in enumerate(items)}
     if not rows:
         return [_micro_batch([[[item]] for item in group], None, places) for group in _greedy(items, token_budget)]
-    units = trees(items, tree_tokens) if tree_tokens else [[item] for item in items]
-    batches: list[list[list[list[TrainItem]]]] = []  # micro-batch -> row -> units
+    units = sorted(trees(items, tree_tokens) if tree_tokens else [[item] for item in items],
+                   key=lambda unit: -_length(unit))
+    if not units:
+        return []
+    layouts = [_rows(units, token_budget, width) for width in (None, *_widths(units, token_budget, max_width))]
+    batches, widths = min(layouts, key=lambda layout: (_cost(*layout, attention), len(layout[0])))
+    return [_micro_batch(batch, width if len(batch) > 1 else None, places) for batch, width in zip(batches, widths)]
+
+
+def _rows(units: list[list[TrainItem]], token_budget: int, width: int | None):
+    """First fit of the `units` (longest first) into rows `width` wide (None: each micro-batch's first unit's
+    length), as many rows to a micro-batch as the budget holds: (micro-batch -> row -> units, widths)."""
+    batches: list[list[list[list[TrainItem]]]] = []
     widths: list[int] = []
     free: list[int] = []  # tokens left in each row of the last micro-batch
-    for unit in sorted(units, key=lambda unit: -_length(unit)):
+    for unit in units:
         n = _length(unit)
         row = next((r for r, left in enumerate(free) if left >= n), None)
         if row is None:
             if not batches or (len(free) + 1) * widths[-1] > token_budget:
                 batches.append([])
-                widths.append(n)
+                widths.append(max(width or n, n))
                 free = []
             batches[-1].append([])
             free.append(widths[-1])
             row = len(free) - 1
         batches[-1][row].append(unit)
         free[row] -= n
-    return [_micro_batch(batch, width, places) for batch, width in zip(batches, widths)]
+    return batches, widths
+
+
+def _widths(units: list[list[TrainItem]], token_budget: int, max_width: int) -> list[int]:
+    """Row widths worth trying beyond the longest unit's length, up to `max_width` and the budget: sums of two
+    of the longest length and the three commonest."""
+    lengths = [_length(unit) for unit in units]
+    common = [length for length, _ in Counter(lengths).most_common(3)]
+    choices = {lengths[0], *common}
+    return sorted({a + b for a in choices for b in choices
+                   if lengths[0] < a + b <= min(max_width, token_budget)})
+
+
+def _cost(batches: list[list[list[list[TrainItem]]]], widths: list[int], attention: float) -> float:
+    """The packed compute of a layout: each padded row's width, a micro-batch of one row its tokens, plus
+    `attention` times the square of each."""
+    total = 0.0
+    for batch, width in zip(batches, widths):
+        for size in ([width] * len(batch) if len(batch) > 1 else [sum(_length(unit) for unit in batch[0])]):
+            total += size + attention * size * size
+    return total
 
 
 def head_length(item: TrainItem) -> int:

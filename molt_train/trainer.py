@@ -2,8 +2,8 @@
 
 Every call goes to all ranks at once (they run collectives together); rank 0
 sends the weights to the engines (bucketed broadcast) or returns them whole.
-The batch is packed into micro-batches by token budget (grids of rows as
-wide as their longest sequence or prefix tree, see `packing`) and dealt to the
+The batch is packed into micro-batches by token budget (grids of rows at
+least as wide as their longest sequence or prefix tree, see `packing`) and dealt to the
 data-parallel replicas in equal numbers (the tensor- and context-parallel
 ranks of a replica get the same ones); the replicas' step statistics are
 combined as each declares.
@@ -18,6 +18,7 @@ import ray
 
 from molt_train.actor.policy import PolicyRank, StepStats
 from molt_train.config import Config
+from molt_train.model_fit import model_config
 from molt_train.packing import TrainItem, deal, pack
 from molt_train.placement import Placement
 from molt_train.weight_sync import free_endpoint
@@ -33,6 +34,14 @@ async def rendezvous(placement: Placement) -> tuple[str, int]:
     return await ray.remote(free_endpoint).options(**slot.options()).remote()
 
 
+def attention_per_token(model: dict) -> float:
+    """Attention's compute for one more token pair in a row, against the rest of a token's compute: about
+    1 / (6 x hidden size) in a decoder whose MLP is some three times as wide as its hidden states (4 x hidden
+    multiply-adds a pair, 24 x hidden^2 a token). 0 where the config does not say."""
+    hidden = model.get("hidden_size") or (model.get("text_config") or {}).get("hidden_size")
+    return 1 / (6 * hidden) if hidden else 0.0
+
+
 class TrainerGroup:
     def __init__(self, model_dir: str, start_dir: str, config: Config, placement: Placement,
                  rendezvous: tuple[str, int], sft: bool = False):
@@ -43,9 +52,10 @@ class TrainerGroup:
         self.data_parallel = config.actor.data_parallel
         self.replica_ranks = config.actor.world_size // self.data_parallel
         self.micro_batch_tokens, self.updates = config.train.micro_batch_tokens, config.train.updates_per_batch
-        # prefix trees as long as an episode may be: rows no wider than without them (see `packing`)
-        self.tree_tokens = (min(config.train.micro_batch_tokens, config.rollout.max_total_tokens)
-                            if config.train.share_prefix else 0)
+        # Prefix trees, and rows, as long as an episode may be (what the memory plan counts on; see `packing`).
+        self.max_width = min(config.train.micro_batch_tokens, config.rollout.max_total_tokens)
+        self.tree_tokens = self.max_width if config.train.share_prefix else 0
+        self.attention = attention_per_token(model_config(model_dir))
         # Packed grids of rows for the fsdp2 backend; one row for AutoModel (its own classes, context parallel).
         self.rows = config.actor.backend == "fsdp2"
         actor, (host, port) = ray.remote(PolicyRank), rendezvous
@@ -56,7 +66,8 @@ class TrainerGroup:
     def _shares(self, items: list[TrainItem]) -> list:
         """`items` packed into micro-batches and dealt to the data-parallel replicas."""
         rows = self.rows and not any(item.images for item in items)
-        return deal(pack(items, self.micro_batch_tokens, rows, self.tree_tokens), self.data_parallel)
+        return deal(pack(items, self.micro_batch_tokens, rows, self.tree_tokens, self.max_width, self.attention),
+                    self.data_parallel)
 
     async def step(self, items: list[TrainItem]) -> StepStats:
         """One optimizer step (or `updates_per_batch` of them) on `items`; the statistics of the whole group."""

@@ -61,6 +61,22 @@ def test_micro_batch_carries_each_token_age_and_advantage():
     assert mb.engine_logprobs.tolist() == [0.0, -1.0, -1.0, 0.0, -1.0, 0.0]  # 0 where the engine sampled nothing
 
 
+def test_rows_take_the_width_that_pads_least():
+    # a 5-token item and four of 3: rows as wide as the longest pad each 3 with 2; rows of 6 take two 3s each
+    items = [_item(list(range(3, 3 + n))) for n in (5, 3, 3, 3, 3)]
+    (narrow,) = pack(items, token_budget=64)
+    assert (narrow.num_tokens, narrow.rows, narrow.width) == (25, 5, 5)
+    (wide,) = pack(items, token_budget=64, max_width=6)
+    assert (wide.num_tokens, wide.rows, wide.width) == (18, 3, 6)
+    assert wide.mask.sum() == narrow.mask.sum() == sum(sum(item.mask) for item in items)
+    assert wide.position_ids.view(3, 6)[:, 0].eq(0).all() and wide.item.tolist().count(-1) == 1  # one pad
+    # one row of 5 + 3 beats two rows of 5, unless attention's cost, which grows with the square of a row's
+    # width, outweighs the padding it saves
+    assert [(mb.num_tokens, mb.rows) for mb in pack(items[:2], token_budget=64, max_width=8)] == [(8, 1)]
+    assert [(mb.num_tokens, mb.rows) for mb in pack(items[:2], token_budget=64, max_width=8, attention=1.0)] == [
+        (10, 2)]
+
+
 def _reply(head, reply, advantage=1.0):
     ids = head + reply
     return TrainItem(token_ids=ids, mask=[0] * len(head) + [1] * len(reply),

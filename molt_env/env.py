@@ -25,8 +25,11 @@ prove quick (`INLINE_AFTER` calls in a row each computing under
 CPU time, since a thread's wall time includes its waits for the GIL, which
 the engine's steps hold) has the rest run on the loop itself, without a
 thread's hand-offs (which cost more than such a call); one call that then
-takes over `SLOW_SECONDS` sends the class back to threads for the rest of
-the process.
+takes over `SLOW_SECONDS` sends the class back to threads, to return once
+twice as many calls in a row have proved quick again (a call on the loop is
+slow when the call blocks, or when the machine did not run the process for
+a while: the doubling bounds what the first kind costs the loop, and the
+return keeps the second from costing the class its speed for good).
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ SLOW_SECONDS = 0.01
 class _Timing:
     quick_calls: int = 0  # quick calls in a row, in threads
     inline: bool = False
-    slow: bool = False  # a call on the loop took over SLOW_SECONDS: threads from now on
+    returns: int = 0  # times a slow call on the loop sent the class back to threads
 
 
 _TIMINGS: dict[type, _Timing] = {}
@@ -93,7 +96,7 @@ async def _call(cls: type, fn, *args, **kwargs):
             return fn(*args, **kwargs)
         finally:
             if time.perf_counter() - started > SLOW_SECONDS:
-                timing.inline, timing.slow = False, True
+                timing.inline, timing.quick_calls, timing.returns = False, 0, timing.returns + 1
 
     def timed():
         started, computing = time.perf_counter(), time.thread_time()
@@ -103,5 +106,5 @@ async def _call(cls: type, fn, *args, **kwargs):
     result, computed, took = await asyncio.to_thread(timed)
     quick = computed < QUICK_SECONDS and took < SLOW_SECONDS
     timing.quick_calls = timing.quick_calls + 1 if quick else 0
-    timing.inline = not timing.slow and timing.quick_calls >= INLINE_AFTER
+    timing.inline = timing.quick_calls >= INLINE_AFTER << timing.returns
     return result

@@ -186,7 +186,7 @@ def test_validator_names_what_is_wrong(changes, reason):
 
 
 
-def test_quick_env_calls_move_onto_the_event_loop_and_slow_ones_back_to_threads(monkeypatch):
+def test_quick_env_calls_move_onto_the_event_loop_and_slow_ones_back_to_threads_for_a_while(monkeypatch):
     import asyncio
     import threading
     import time
@@ -232,3 +232,9 @@ def test_quick_env_calls_move_onto_the_event_loop_and_slow_ones_back_to_threads(
     quick.threads = []
     loop_thread = asyncio.run(play(quick, 3))
     assert quick.threads[0] == loop_thread and loop_thread not in quick.threads[1:]
+    # quick again (the slow call was the machine's, say): back on the loop after twice as many quick calls
+    Timed.delay = 0.0
+    quick.threads = []
+    loop_thread = asyncio.run(play(quick, 2 * env_module.INLINE_AFTER + 2))
+    assert loop_thread not in quick.threads[:2 * env_module.INLINE_AFTER]
+    assert quick.threads[2 * env_module.INLINE_AFTER:] == [loop_thread] * 2

@@ -21,6 +21,7 @@ from molt_train.config import Config
 from molt_train.model_fit import model_config
 from molt_train.packing import TrainItem, deal, pack
 from molt_train.placement import Placement
+from molt_train.plan.shape import text_config
 from molt_train.weight_sync import free_endpoint
 
 
@@ -38,7 +39,7 @@ def attention_per_token(model: dict) -> float:
     """Attention's compute for one more token pair in a row, against the rest of a token's compute: about
     1 / (6 x hidden size) in a decoder whose MLP is some three times as wide as its hidden states (4 x hidden
     multiply-adds a pair, 24 x hidden^2 a token). 0 where the config does not say."""
-    hidden = model.get("hidden_size") or (model.get("text_config") or {}).get("hidden_size")
+    hidden = text_config(model).get("hidden_size")
     return 1 / (6 * hidden) if hidden else 0.0
 
 
